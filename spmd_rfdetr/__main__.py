@@ -1,0 +1,3 @@
+from spmd_rfdetr.cli import main
+
+main()

@@ -1,0 +1,154 @@
+"""Typed run configuration: one dataclass per concern, validated in one place (:func:`validate`).
+
+jsonargparse turns these dataclasses into the CLI (``--data.dataset_dir`` ...) and reads each field's docstring as its
+help text, so every field below carries one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Precision = Literal["fp32", "bf16"]
+
+
+@dataclass
+class ModelOptions:
+    """Which RF-DETR to build. Fields left ``None`` keep the variant's upstream default."""
+
+    variant: Literal["nano", "small", "medium", "large", "base"] = "nano"
+    """RF-DETR size, as in ``rfdetr`` (``RFDETRNanoConfig`` ...)."""
+    resolution: int | None = None
+    """Square input resolution in pixels; must divide by ``patch_size * num_windows`` (32 for Nano/Small/Medium)."""
+    num_queries: int | None = None
+    """Object queries per group at inference."""
+    group_detr: int | None = None
+    """Query groups used during training (Group DETR); inference uses one."""
+    dec_layers: int | None = None
+    """Decoder layers."""
+    num_classes: int | None = None
+    """Number of classes; ``None`` reads it from the dataset."""
+    pretrain_weights: str | None = None
+    """Path to an RF-DETR ``.pth`` checkpoint to start from; ``None`` trains from scratch (no download happens)."""
+
+
+@dataclass
+class DataOptions:
+    """Where the images come from and how batches are shaped (every batch has the same shapes)."""
+
+    dataset_dir: str = "data/synth"
+    """Dataset root: a Roboflow/COCO export (``train/_annotations.coco.json``) or a YOLO layout."""
+    dataset_format: Literal["roboflow", "coco", "yolo"] = "roboflow"
+    """``roboflow`` auto-detects COCO or YOLO layouts; ``coco`` expects the COCO 2017 folder layout."""
+    global_batch_size: int = 8
+    """Images per step over the whole mesh; must divide by the ``data`` mesh axis."""
+    max_targets: int = 100
+    """Ground-truth boxes per image after padding (a fixed shape); must be <= ``num_queries``."""
+    on_overflow: Literal["error", "truncate"] = "error"
+    """An image with more than ``max_targets`` boxes: ``error`` stops before training and names the files;
+    ``truncate`` keeps the largest ``max_targets`` boxes and logs how many images and boxes were cut."""
+    num_workers: int = 2
+    """DataLoader worker processes."""
+    multi_scale: bool = False
+    """Upstream multi-scale augmentation. Every new shape compiles a new XLA graph: keep it off on TPU."""
+
+
+@dataclass
+class OptimOptions:
+    """AdamW with rfdetr's parameter groups, gradient clipping, warmup and a cosine or step schedule."""
+
+    lr: float = 1e-4
+    """Learning rate of the decoder/heads."""
+    lr_encoder: float = 1.5e-4
+    """Learning rate of the backbone (scaled per layer by ``lr_vit_layer_decay``)."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay (rfdetr's no-decay rules apply to the backbone)."""
+    lr_vit_layer_decay: float = 0.8
+    """Per-layer LR decay of the ViT backbone."""
+    lr_component_decay: float = 0.7
+    """LR multiplier of the transformer decoder."""
+    clip_max_norm: float = 0.1
+    """Gradient clipping by global L2 norm; 0 disables."""
+    warmup_steps: int = 0
+    """Linear warmup steps."""
+    schedule: Literal["cosine", "step", "constant"] = "cosine"
+    """LR schedule after warmup."""
+    min_lr_factor: float = 0.05
+    """Cosine: final LR as a fraction of the peak."""
+    lr_drop_step: int = 0
+    """Step schedule: the LR drops 10x at this step (0 = never)."""
+
+
+@dataclass
+class MeshOptions:
+    """The device mesh one process drives."""
+
+    data: int = -1
+    """Size of the ``data`` (batch) axis; -1 uses every device."""
+    cpu_devices: int | None = None
+    """Run on this many virtual XLA CPU devices (sets ``PJRT_DEVICE=CPU``, ``CPU_NUM_DEVICES``) unless
+    ``PJRT_DEVICE`` is already set. For trying things out without a TPU."""
+
+
+@dataclass
+class TrainerOptions:
+    """How long to train and what to write."""
+
+    output_dir: str = "output"
+    """Where ``metrics.jsonl``, ``config.yaml`` and checkpoints go."""
+    max_steps: int = 1000
+    """Optimizer steps to run."""
+    log_every: int = 50
+    """Read the loss back from the device every N steps (the only host syncs of the loop)."""
+    precision: Precision = "bf16"
+    """``bf16``: bf16 matmuls with fp32 weights (autocast); ``fp32``: full precision."""
+    seed: int = 42
+    """Seed for model init and data order."""
+    matcher: Literal["device", "scipy"] = "device"
+    """Assignment solver: ``device`` keeps the whole step one XLA graph; ``scipy`` is upstream's host path."""
+    progress_bar: bool | None = None
+    """Show a progress bar; ``None`` shows it only on a terminal."""
+
+
+@dataclass
+class RunConfig:
+    """Everything ``fit`` needs, as one object (what ``config.yaml`` in the output holds)."""
+
+    model: ModelOptions = field(default_factory=ModelOptions)
+    data: DataOptions = field(default_factory=DataOptions)
+    optim: OptimOptions = field(default_factory=OptimOptions)
+    mesh: MeshOptions = field(default_factory=MeshOptions)
+    trainer: TrainerOptions = field(default_factory=TrainerOptions)
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix; the message lists every problem found."""
+
+
+def validate(cfg: RunConfig, device_count: int | None = None) -> None:
+    """Check the whole config at once and raise :class:`ConfigError` listing every problem."""
+    problems: list[str] = []
+    d, t, o = cfg.data, cfg.trainer, cfg.optim
+    if d.global_batch_size < 1:
+        problems.append(f"data.global_batch_size={d.global_batch_size} must be >= 1")
+    if d.max_targets < 1:
+        problems.append(f"data.max_targets={d.max_targets} must be >= 1")
+    if t.max_steps < 1:
+        problems.append(f"trainer.max_steps={t.max_steps} must be >= 1")
+    if t.log_every < 1:
+        problems.append(f"trainer.log_every={t.log_every} must be >= 1")
+    if o.warmup_steps < 0:
+        problems.append(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    if cfg.model.resolution is not None and cfg.model.resolution % 32:
+        problems.append(f"model.resolution={cfg.model.resolution} must be a multiple of 32 (patch 16 x 2 windows)")
+    if device_count is not None:
+        axis = device_count if cfg.mesh.data == -1 else cfg.mesh.data
+        if axis < 1 or device_count % axis:
+            problems.append(f"mesh.data={cfg.mesh.data} must divide the {device_count} devices (or be -1 for all)")
+        elif d.global_batch_size % axis:
+            problems.append(
+                f"data.global_batch_size={d.global_batch_size} does not divide by the data axis ({axis} devices): "
+                f"use a multiple of {axis}, e.g. {axis * max(1, round(d.global_batch_size / axis))}"
+            )
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))

@@ -1,0 +1,157 @@
+"""Static-shape batches from rfdetr's own dataset readers and transforms.
+
+Every batch is one dict with fixed shapes, so the training step compiles once:
+``images`` [B, 3, R, R] float, ``boxes`` [B, T, 4] (normalised cxcywh), ``labels`` [B, T] int64, ``valid`` [B, T] bool,
+``image_id`` [B] int64, ``orig_size`` [B, 2] int64 (h, w), with T = ``data.max_targets``.
+
+Overflow policy (never silent): before training, the annotation files are scanned for images with more than
+``max_targets`` boxes. ``on_overflow="error"`` stops and names them; ``"truncate"`` logs how many images and boxes are
+affected (naming the first files) and keeps each such image's ``max_targets`` largest boxes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from rfdetr.datasets import build_dataset, get_coco_api_from_dataset
+from torch.utils.data import DataLoader, Dataset
+
+from spmd_rfdetr.config import DataOptions
+from spmd_rfdetr.model import UpstreamConfigs
+
+log = logging.getLogger(__name__)
+
+SPLITS = {"train": "train", "valid": "val", "test": "test"}
+
+
+def num_classes_in(dataset_dir: str) -> int:
+    """Class count the way rfdetr's ``train()`` detects it (same category basis as its labels)."""
+    from rfdetr.detr import RFDETR
+
+    return RFDETR._detect_num_classes_for_training(dataset_dir)
+
+
+def build_split(cfgs: UpstreamConfigs, split: str) -> Dataset[Any]:
+    """rfdetr's dataset for ``split`` (``train``/``valid``/``test``) with its transforms at the fixed resolution."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {sorted(SPLITS)}")
+    return build_dataset(SPLITS[split], cfgs.namespace(), cfgs.model.resolution)
+
+
+@dataclass
+class Overflow:
+    """Images whose annotations hold more boxes than ``max_targets``."""
+
+    files: list[str]
+    boxes_over: int
+
+    def describe(self, max_targets: int, limit: int = 5) -> str:
+        shown = ", ".join(self.files[:limit]) + (f" (+{len(self.files) - limit} more)" if len(self.files) > limit else "")
+        return f"{len(self.files)} image(s) have more than data.max_targets={max_targets} boxes ({self.boxes_over} boxes over): {shown}"
+
+
+def find_overflow(dataset: Dataset[Any], max_targets: int) -> Overflow:
+    """Scan the split's annotations (not the images) for images over the padding cap."""
+    coco = get_coco_api_from_dataset(dataset)
+    if coco is None:
+        return Overflow([], 0)
+    files, over = [], 0
+    for image_id, anns in coco.imgToAnns.items():
+        count = sum(1 for a in anns if not a.get("iscrowd", 0))
+        if count > max_targets:
+            files.append(coco.imgs[image_id]["file_name"])
+            over += count - max_targets
+    return Overflow(sorted(files), over)
+
+
+def check_overflow(dataset: Dataset[Any], data: DataOptions, split: str) -> None:
+    """Apply ``data.on_overflow`` before any training: raise, or log what will be truncated."""
+    overflow = find_overflow(dataset, data.max_targets)
+    if not overflow.files:
+        return
+    message = f"{data.dataset_dir} [{split}]: {overflow.describe(data.max_targets)}"
+    if data.on_overflow == "error":
+        raise ValueError(
+            f"{message}. Raise data.max_targets (it must stay <= queries per group) or set "
+            "data.on_overflow=truncate to keep each image's largest boxes."
+        )
+    log.warning("%s; keeping the %d largest boxes of each (data.on_overflow=truncate)", message, data.max_targets)
+
+
+def pad_target(target: dict[str, torch.Tensor], max_targets: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(boxes [T, 4], labels [T], valid [T]) for one image; beyond ``max_targets`` the largest boxes are kept."""
+    boxes, labels = target["boxes"], target["labels"]
+    if len(labels) > max_targets:
+        keep = torch.argsort(boxes[:, 2] * boxes[:, 3], descending=True, stable=True)[:max_targets]
+        boxes, labels = boxes[keep], labels[keep]
+    n = len(labels)
+    padded_boxes = torch.zeros(max_targets, 4, dtype=torch.float32)
+    padded_labels = torch.zeros(max_targets, dtype=torch.int64)
+    padded_boxes[:n], padded_labels[:n] = boxes, labels
+    return padded_boxes, padded_labels, torch.arange(max_targets) < n
+
+
+class StaticCollate:
+    """Collate rfdetr samples into one fixed-shape batch dict (picklable, for DataLoader workers)."""
+
+    def __init__(self, max_targets: int, resolution: int) -> None:
+        self.max_targets = max_targets
+        self.resolution = resolution
+
+    def __call__(self, samples: Sequence[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+        expected = (3, self.resolution, self.resolution)
+        for image, target in samples:
+            if tuple(image.shape) != expected:
+                raise ValueError(
+                    f"image_id {int(target['image_id'])}: transformed to {tuple(image.shape)}, expected {expected}; "
+                    "static batches need one resolution (data.multi_scale=false)"
+                )
+        padded = [pad_target(t, self.max_targets) for _, t in samples]
+        return {
+            "images": torch.stack([image for image, _ in samples]),
+            "boxes": torch.stack([p[0] for p in padded]),
+            "labels": torch.stack([p[1] for p in padded]),
+            "valid": torch.stack([p[2] for p in padded]),
+            "image_id": torch.stack([t["image_id"].reshape(()).to(torch.int64) for _, t in samples]),
+            "orig_size": torch.stack([t["orig_size"].to(torch.int64) for _, t in samples]),
+        }
+
+
+def make_loader(
+    dataset: Dataset[Any], data: DataOptions, resolution: int, *, train: bool, seed: int = 0
+) -> DataLoader[dict[str, torch.Tensor]]:
+    """A DataLoader of static batches of ``data.global_batch_size`` (training drops the last partial batch)."""
+    if train and len(dataset) < data.global_batch_size:  # type: ignore[arg-type]
+        raise ValueError(
+            f"{data.dataset_dir}: the train split has {len(dataset)} images, fewer than "  # type: ignore[arg-type]
+            f"data.global_batch_size={data.global_batch_size}"
+        )
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(
+        dataset,
+        batch_size=data.global_batch_size,
+        shuffle=train,
+        drop_last=train,
+        num_workers=data.num_workers,
+        collate_fn=StaticCollate(data.max_targets, resolution),
+        generator=generator,
+        persistent_workers=data.num_workers > 0,
+    )
+
+
+def forever(loader: DataLoader[Any]) -> Iterator[Any]:
+    """Cycle through epochs without end (the loop stops at ``trainer.max_steps``)."""
+    while True:
+        yield from loader
+
+
+def targets_list(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """rfdetr's list-of-dicts targets view of a static batch (per-image slices: still fixed shapes)."""
+    return [
+        {"boxes": batch["boxes"][i], "labels": batch["labels"][i], "valid": batch["valid"][i]}
+        for i in range(batch["boxes"].shape[0])
+    ]

@@ -1,0 +1,103 @@
+"""``fit``: config -> mesh + Fabric -> static sharded batches -> rfdetr model -> one compiled step -> log/checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+
+import yaml
+
+from spmd_rfdetr.config import MeshOptions, RunConfig, validate
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed"}
+
+
+def setup_runtime(mesh: MeshOptions) -> None:
+    """Choose the PJRT device (before the XLA runtime starts) and switch the process to SPMD."""
+    if mesh.cpu_devices is not None and "PJRT_DEVICE" not in os.environ:
+        os.environ["PJRT_DEVICE"] = "CPU"
+        os.environ["CPU_NUM_DEVICES"] = str(mesh.cpu_devices)
+    import torch_xla.runtime as xr
+
+    if not xr.is_spmd():
+        xr.use_spmd()
+
+
+def fit(cfg: RunConfig) -> Path:
+    """Train for ``trainer.max_steps`` steps; returns the path of the final checkpoint (``last.pth``)."""
+    setup_runtime(cfg.mesh)
+    import torch_xla.runtime as xr
+
+    validate(cfg, xr.global_runtime_device_count())
+
+    from spmd_rfdetr.data import build_split, check_overflow, forever, make_loader, num_classes_in
+    from spmd_rfdetr.fabric import spmd_fabric
+    from spmd_rfdetr.loss import build_criterion
+    from spmd_rfdetr.mesh import build_mesh
+    from spmd_rfdetr.metrics import MetricsLog
+    from spmd_rfdetr.model import (
+        build_model,
+        build_optimizer,
+        build_scheduler,
+        build_upstream_criterion,
+        upstream_configs,
+    )
+    from spmd_rfdetr.step import TrainStep
+
+    t, d = cfg.trainer, cfg.data
+    out = Path(t.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fabric = spmd_fabric(build_mesh(cfg.mesh.data), precision=PRECISIONS[t.precision])
+    fabric.seed_everything(t.seed)
+
+    num_classes = cfg.model.num_classes or num_classes_in(d.dataset_dir)
+    cfgs = upstream_configs(cfg.model, d, cfg.optim, num_classes)
+    train_set = build_split(cfgs, "train")
+    check_overflow(train_set, d, "train")
+    loader = fabric.setup_dataloaders(make_loader(train_set, d, cfgs.model.resolution, train=True, seed=t.seed))
+
+    net = build_model(cfgs)
+    criterion = build_criterion(build_upstream_criterion(cfgs)[0], solver=t.matcher)
+    criterion.train()
+    optimizer = build_optimizer(net, cfgs)
+    net, optimizer = fabric.setup(net, optimizer)
+    net.train()
+    scheduler = build_scheduler(optimizer, cfg.optim, t.max_steps)
+    step_fn = TrainStep(
+        net, criterion, optimizer, clip_max_norm=cfg.optim.clip_max_norm, full_graph=t.matcher == "device"
+    )
+
+    resolved = dataclasses.asdict(cfg)
+    resolved["model"]["num_classes"] = num_classes
+    (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    metrics = MetricsLog(out, t.max_steps, t.progress_bar)
+    batches = forever(loader)
+    window_start, window_steps = time.perf_counter(), 0
+    for step in range(1, t.max_steps + 1):
+        stats = step_fn(next(batches))
+        scheduler.step()
+        window_steps += 1
+        metrics.note_compiles(step)
+        if step % t.log_every == 0 or step == t.max_steps:
+            values = step_fn.read(stats)
+            elapsed = time.perf_counter() - window_start
+            metrics.write(
+                {
+                    "step": step,
+                    **values,
+                    "lr": scheduler.get_last_lr()[0],
+                    "images_per_sec": window_steps * d.global_batch_size / elapsed,
+                    "step_time_s": elapsed / window_steps,
+                }
+            )
+            window_start, window_steps = time.perf_counter(), 0
+
+    checkpoint = out / "last.pth"
+    fabric.save(checkpoint, {"model": net, "optimizer": optimizer, "step": t.max_steps, "config": resolved})
+    log.info("saved %s", checkpoint)
+    return checkpoint

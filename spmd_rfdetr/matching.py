@@ -1,0 +1,363 @@
+"""Exact batched linear assignment on the device, for the DETR Hungarian matcher.
+
+Algorithm: the shortest-augmenting-path Hungarian method (Jonker-Volgenant / Crouse, the algorithm behind
+``scipy.optimize.linear_sum_assignment``), vectorised over problems. Targets are rows, queries are columns.
+
+* Row reduction (``C - min_j C``) and a conflict-free greedy start: every target whose cheapest query no
+  lower-indexed target also wants gets it (tight at duals ``u = v = 0``).
+* Each remaining target is inserted by one Dijkstra search over reduced costs ``C - u - v``; one loop iteration
+  scans one column per problem. When a free query is reached, the duals are updated exactly like SciPy does and the
+  alternating path is flipped back one edge per iteration (the first flip happens in the same iteration).
+* The loop is an XLA ``While`` (built with ``torch_xla.core.xla_builder``, like ``torch_xla.experimental.scan``) that
+  stops when every problem is done or after ``max_rounds`` iterations, so a batch costs as many iterations as its
+  hardest problem needs, not a worst-case budget. In eager PyTorch the same body runs in a Python loop.
+* No tolerance enters the search: the result is optimal up to float32 rounding of the duals. ``converged`` also
+  checks the dual certificate (reduced costs ``>= -eps * scale``), which bounds the total's error by about
+  ``2 * T * eps * scale``. A problem that runs out of rounds keeps its (injective) partial matching and the rest is
+  filled greedily: two rounds of "each target proposes its cheapest free query, the cheapest proposer wins", then
+  the k-th leftover target takes the k-th free query.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["AssignmentResult", "sanitize_cost", "solve_assignment", "solve_assignment_with_stats"]
+
+#: Reduced costs are clamped here so that sums along alternating paths stay finite in float32.
+_BIG = 1.0e30
+#: Greedy proposal rounds used to finish problems that ran out of rounds.
+_GREEDY_ROUNDS = 2
+#: Margin added to the sentinel that replaces non-finite costs (rfdetr's ``_SANITIZED_COST_MARGIN``).
+_SANITIZED_COST_MARGIN = 1.0
+
+
+class AssignmentResult(NamedTuple):
+    """What :func:`solve_assignment_with_stats` returns."""
+
+    query_of_target: Tensor  # [P, T] int64, 0 for invalid slots
+    converged: Tensor  # [P] bool
+    rounds: Tensor  # [P] int64: loop iterations each problem was active
+    iterations: Tensor  # [] int64: loop iterations run (the batch's maximum, or max_rounds)
+
+
+def sanitize_cost(cost: Tensor, valid: Tensor) -> Tensor:
+    """Replace NaN/inf in ``cost [P, Q, T]`` per problem, like rfdetr's ``HungarianMatcher._sanitize_cost_matrix``.
+
+    The sentinel is ``max + max|.| + 1`` over the problem's finite entries in valid target columns (clamped to the
+    largest finite float); a problem without any finite entry uses the largest finite float. Upstream computes one
+    sentinel over the whole batch matrix, and only when something is non-finite; per problem is the batched analogue
+    and gives the same assignment whenever a problem's optimum avoids non-finite entries.
+    """
+    fmax = torch.finfo(cost.dtype).max
+    finite = torch.isfinite(cost) & valid[:, None, :]
+    masked = torch.where(finite, cost, torch.zeros_like(cost))
+    max_cost = torch.where(finite, cost, torch.full_like(cost, -fmax)).amax(dim=(1, 2))
+    max_abs = masked.abs().amax(dim=(1, 2))
+    sentinel = torch.clamp(max_cost + max_abs + _SANITIZED_COST_MARGIN, max=fmax)
+    sentinel = torch.where(finite.any(dim=2).any(dim=1), sentinel, torch.full_like(sentinel, fmax))
+    return torch.where(torch.isfinite(cost), cost, sentinel[:, None, None].expand_as(cost))
+
+
+def solve_assignment(
+    cost: Tensor, valid: Tensor, *, max_rounds: int | None = None, eps: float = 1e-5
+) -> tuple[Tensor, Tensor]:
+    """Exact min-cost matching of the valid targets of each problem to distinct queries.
+
+    Args:
+        cost: ``[P, Q, T]`` float: P problems, Q queries, T padded target slots.
+        valid: ``[P, T]`` bool: which target slots are real (at most Q per problem).
+        max_rounds: loop budget (one Dijkstra scan or one path flip per problem per round). ``None`` means the
+            worst case ``T * (T + 1)``, which always suffices; the loop stops early once every problem is done.
+        eps: relative tolerance of the optimality certificate reported in ``converged``.
+
+    Returns:
+        ``(query_of_target [P, T] int64, converged [P] bool)``: for every valid target the query it is assigned to,
+        injective within a problem and minimising the total cost as ``scipy.optimize.linear_sum_assignment`` would
+        on ``cost[p][:, valid[p]]``; 0 for invalid slots. ``converged[p]`` is False when the budget ended first
+        (the rest was filled greedily) or the certificate failed.
+    """
+    result = solve_assignment_with_stats(cost, valid, max_rounds=max_rounds, eps=eps)
+    return result.query_of_target, result.converged
+
+
+@torch.no_grad()
+def solve_assignment_with_stats(
+    cost: Tensor, valid: Tensor, *, max_rounds: int | None = None, eps: float = 1e-5
+) -> AssignmentResult:
+    """:func:`solve_assignment` plus per-problem round counts (for tests and benchmarks)."""
+    cost = cost.detach()
+    num_problems, num_queries, num_targets = cost.shape
+    valid = valid.to(device=cost.device, dtype=torch.bool)
+    if max_rounds is None:
+        max_rounds = num_targets * (num_targets + 1)
+    if num_targets == 0 or num_problems == 0:
+        empty = torch.zeros((num_problems, num_targets), dtype=torch.int64, device=cost.device)
+        ones = torch.ones(num_problems, dtype=torch.bool, device=cost.device)
+        zero = torch.zeros(num_problems, dtype=torch.int64, device=cost.device)
+        return AssignmentResult(empty, ones, zero, zero.sum())
+
+    reduced = _reduced_cost(cost, valid)
+    state = _while_loop(lambda *s: (s[_CUR] < num_targets).any() & (s[_IT] < max_rounds), _step, _initial_state(reduced, valid))
+    col4row, done = state[_COL4ROW], state[_CUR] >= num_targets
+    certified = _certified(reduced, valid, state[_U], state[_V], col4row, eps)
+
+    # Greedy completion only runs (as a 0- or 1-trip loop) when some problem ran out of rounds.
+    def pending(cost: Tensor, valid: Tensor, col4row: Tensor, first: Tensor) -> Tensor:
+        return first & (valid & (col4row == num_queries)).any()
+
+    def finish(cost: Tensor, valid: Tensor, col4row: Tensor, first: Tensor) -> tuple[Tensor, ...]:
+        return cost, valid, _greedy_finish(cost, valid, col4row), torch.zeros_like(first)
+
+    first = torch.ones((), dtype=torch.bool, device=cost.device)
+    col4row = _while_loop(pending, finish, (reduced, valid, col4row, first))[2]
+    query_of_target = torch.where(valid, col4row, torch.zeros_like(col4row)).long()
+    return AssignmentResult(query_of_target, done & certified, state[_ROUNDS].long(), state[_IT].long())
+
+
+def _reduced_cost(cost: Tensor, valid: Tensor) -> Tensor:
+    """Sanitized, row-reduced float32 cost ``[P, T, Q]`` (rows = targets); invalid rows are 0."""
+    cost = sanitize_cost(cost.float(), valid)
+    cost = cost - cost.amin(dim=1, keepdim=True)
+    cost = torch.where(valid[:, None, :], cost, torch.zeros_like(cost))
+    return torch.clamp(cost, min=0.0, max=_BIG).transpose(1, 2).contiguous()
+
+
+# Positions in the loop state (a flat tuple of tensors, as an XLA While carries it).
+(_C, _VALID, _U, _V, _COL4ROW, _ROW4COL, _CUR, _I, _D, _PRED, _SC, _MINVAL, _SINK, _ROUNDS, _IT) = range(15)
+_INDEX = torch.int32  # index dtype of the loop state
+
+
+def _first_true(mask: Tensor, none: int) -> Tensor:
+    """Index (int32) of the first True along the last dim, or ``none`` where there is none."""
+    first = mask.to(torch.int32).argmax(dim=-1).to(_INDEX)
+    return torch.where(mask.any(dim=-1), first, torch.full_like(first, none))
+
+
+def _take(values: Tensor, index: Tensor) -> Tensor:
+    """``values[p, index[p]]`` for ``values [P, N]`` and ``index [P]``."""
+    return values.gather(1, index.long()[:, None])[:, 0]
+
+
+def _initial_state(cost: Tensor, valid: Tensor) -> tuple[Tensor, ...]:
+    """Greedy conflict-free start (each row's argmin column, lowest row wins) and an idle search state."""
+    num_problems, num_targets, num_queries = cost.shape
+    device = cost.device
+    rows = torch.arange(num_targets, device=device, dtype=_INDEX)
+    best = cost.argmin(dim=2)  # [P, T] int64; reduced cost 0 there
+    claim = torch.where(valid, best, torch.full_like(best, num_queries))  # invalid rows claim the spare slot Q
+    row4col = torch.full((num_problems, num_queries + 1), num_targets, dtype=_INDEX, device=device)
+    row4col = row4col.scatter_reduce(1, claim, rows.expand(num_problems, -1), "amin")
+    won = valid & (row4col.gather(1, claim) == rows)
+    col4row = torch.where(won, best.to(_INDEX), torch.full_like(rows, num_queries).expand(num_problems, -1))
+    cur = _first_true(valid & ~won, num_targets)
+    return (
+        cost,
+        valid,
+        torch.zeros((num_problems, num_targets), dtype=cost.dtype, device=device),  # u
+        torch.zeros((num_problems, num_queries), dtype=cost.dtype, device=device),  # v
+        col4row,
+        row4col[:, :num_queries].contiguous(),
+        cur,
+        cur.clone(),  # i: row scanned next
+        torch.full((num_problems, num_queries), float("inf"), dtype=cost.dtype, device=device),  # d
+        torch.full((num_problems, num_queries), num_targets, dtype=_INDEX, device=device),  # pred
+        torch.zeros((num_problems, num_queries), dtype=torch.bool, device=device),  # scanned columns
+        torch.zeros(num_problems, dtype=cost.dtype, device=device),  # minval
+        torch.full((num_problems,), num_queries, dtype=_INDEX, device=device),  # sink (Q: not flipping)
+        torch.zeros(num_problems, dtype=_INDEX, device=device),  # rounds
+        torch.zeros((), dtype=_INDEX, device=device),  # iteration
+    )
+
+
+def _step(*s: Tensor) -> tuple[Tensor, ...]:
+    """One round: a Dijkstra scan for searching problems, then one path flip for problems holding a sink."""
+    cost, valid, u, v, col4row, row4col, cur, i, d, pred, sc, minval, sink, rounds, it = s
+    num_problems, num_targets, num_queries = cost.shape
+    device = cost.device
+    cols = torch.arange(num_queries, device=device, dtype=_INDEX)
+    rows = torch.arange(num_targets, device=device, dtype=_INDEX)
+    problems = torch.arange(num_problems, device=device)
+    inf = torch.full_like(d, float("inf"))
+    active = cur < num_targets
+    searching = active & (sink == num_queries)
+
+    # Scan row i: relax the unscanned columns, then take the closest one (a free one on ties, like SciPy).
+    row = i.clamp(max=num_targets - 1)
+    cost_row = cost[problems, row.long()]  # [P, Q]
+    cand = (minval - _take(u, row))[:, None] + cost_row - v
+    relax = searching[:, None] & ~sc & (cand < d)
+    d = torch.where(relax, cand, d)
+    pred = torch.where(relax, row[:, None], pred)
+    open_d = torch.where(sc, inf, d)
+    low = open_d.amin(dim=1)
+    free = row4col == num_targets
+    score = (open_d == low[:, None]).to(torch.int32) * (1 + free.to(torch.int32))
+    j = score.argmax(dim=1).to(_INDEX)
+    sc = sc | ((cols == j[:, None]) & searching[:, None])
+    owner = _take(row4col, j)
+    found = searching & (owner == num_targets)
+    extend = searching & (owner != num_targets)
+    i = torch.where(extend, owner, i)
+    minval = torch.where(extend, low, minval)
+
+    # Reached a free column: dual update exactly as SciPy does (columns scanned this search, their rows, cur).
+    delta = torch.where(sc & found[:, None], low[:, None] - d, torch.zeros_like(d))
+    v = v - delta
+    delta_ext = torch.cat([delta, torch.zeros_like(delta[:, :1])], dim=1)
+    u = u + delta_ext.gather(1, col4row.long())
+    u = u + torch.where(found[:, None] & (rows == cur[:, None]), low[:, None], torch.zeros_like(u))
+    sink = torch.where(found, j, sink)
+
+    # Flip one edge of the alternating path, walking back from the sink.
+    flipping = active & (sink < num_queries)
+    col = sink.clamp(max=num_queries - 1)
+    prev_row = _take(pred, col).clamp(max=num_targets - 1)
+    prev_col = _take(col4row, prev_row)
+    row4col = torch.where(flipping[:, None] & (cols == col[:, None]), prev_row[:, None], row4col)
+    col4row = torch.where(flipping[:, None] & (rows == prev_row[:, None]), col[:, None], col4row)
+    sink = torch.where(flipping, prev_col, sink)  # cur was unassigned, so its old column is Q: path done
+    finished = flipping & (prev_row == cur)
+
+    # Start the next unassigned row with a fresh search.
+    nxt = _first_true(valid & (col4row == num_queries), num_targets)
+    cur = torch.where(finished, nxt, cur)
+    i = torch.where(finished, nxt, i)
+    d = torch.where(finished[:, None], inf, d)
+    sc = sc & ~finished[:, None]
+    minval = torch.where(finished, torch.zeros_like(minval), minval)
+    rounds = rounds + active.to(_INDEX)
+    return (cost, valid, u, v, col4row, row4col, cur, i, d, pred, sc, minval, sink, rounds, it + 1)
+
+
+def _certified(cost: Tensor, valid: Tensor, u: Tensor, v: Tensor, col4row: Tensor, eps: float) -> Tensor:
+    """Dual certificate: reduced costs >= -tol, assigned pairs tight, v <= 0 and free columns at v = 0 (within tol).
+
+    Together these bound the total's distance from the optimum by about ``2 * T * tol``.
+    """
+    num_queries = cost.shape[2]
+    slack_min = (cost - u[:, :, None] - v[:, None, :]).amin(dim=2)  # [P, T]
+    scale = torch.where(valid, torch.where(cost < _BIG, cost, torch.zeros_like(cost)).amax(dim=2), torch.zeros_like(u))
+    tol = eps * torch.clamp(scale.amax(dim=1), min=1.0)
+    assigned = col4row < num_queries
+    held = col4row.clamp(max=num_queries - 1).long()
+    slack_held = cost.gather(2, held[:, :, None])[:, :, 0] - u - v.gather(1, held)
+    row_ok = ~valid | (assigned & (slack_min >= -tol[:, None]) & (slack_held <= tol[:, None]))
+    used = _used_columns(col4row, num_queries)
+    col_ok = (v <= tol[:, None]) & (used | (v >= -tol[:, None]))
+    return row_ok.all(dim=1) & col_ok.all(dim=1)
+
+
+def _used_columns(col4row: Tensor, num_queries: int) -> Tensor:
+    """``[P, Q]`` bool: columns some row holds (col4row uses Q for 'none')."""
+    used = torch.zeros((col4row.shape[0], num_queries + 1), dtype=torch.int32, device=col4row.device)
+    used = used.scatter(1, col4row.long(), torch.ones_like(col4row, dtype=torch.int32))
+    return used[:, :num_queries] > 0
+
+
+def _greedy_finish(cost: Tensor, valid: Tensor, col4row: Tensor) -> Tensor:
+    """Give every still-unassigned valid row a distinct free column (a no-op for finished problems)."""
+    num_problems, num_targets, num_queries = cost.shape
+    rows = torch.arange(num_targets, device=cost.device, dtype=_INDEX)
+    cols = torch.arange(num_queries, device=cost.device, dtype=_INDEX)
+    for _ in range(_GREEDY_ROUNDS):
+        need = valid & (col4row == num_queries)
+        open_cost = torch.where(_used_columns(col4row, num_queries)[:, None, :] | ~need[:, :, None], _BIG * 2, cost)
+        pick_cost, pick = open_cost.min(dim=2)  # [P, T]
+        pick = pick.to(_INDEX)
+        bid = torch.where(need & (pick_cost <= _BIG), pick, torch.full_like(pick, num_queries))
+        # Cheapest proposer per column (ties: lowest row); the spare slot Q collects non-bids.
+        key = torch.full((num_problems, num_queries + 1), _BIG * 4, dtype=cost.dtype, device=cost.device)
+        key = key.scatter_reduce(1, bid.long(), pick_cost, "amin")
+        cheapest = (pick_cost == key.gather(1, bid.long())) & (bid < num_queries)
+        first = torch.full((num_problems, num_queries + 1), num_targets, dtype=_INDEX, device=cost.device)
+        first = first.scatter_reduce(1, torch.where(cheapest, bid, torch.full_like(bid, num_queries)).long(), rows.expand(num_problems, -1), "amin")
+        accepted = cheapest & (first.gather(1, bid.long()) == rows)
+        col4row = torch.where(accepted, pick, col4row)
+    # Whatever is left: the k-th needy row takes the k-th free column.
+    need = valid & (col4row == num_queries)
+    free = ~_used_columns(col4row, num_queries)
+    row_rank = need.to(torch.int32).cumsum(dim=1) - 1
+    free_rank = torch.where(free, free.to(torch.int32).cumsum(dim=1) - 1, torch.full_like(cols, -1).expand(num_problems, -1))
+    col_of_rank = torch.full((num_problems, num_queries + 1), num_queries, dtype=_INDEX, device=cost.device)
+    col_of_rank = col_of_rank.scatter(1, torch.where(free, free_rank, torch.full_like(free_rank, num_queries)).long(), cols.expand(num_problems, -1))
+    fill = col_of_rank.gather(1, torch.where(need, row_rank, torch.full_like(row_rank, num_queries)).long())
+    return torch.where(need, fill, col4row)
+
+
+def _while_loop(
+    cond: Callable[..., Tensor], body: Callable[..., tuple[Tensor, ...]], state: Sequence[Tensor]
+) -> tuple[Tensor, ...]:
+    """``while cond(*state): state = body(*state)``: an XLA ``While`` on XLA tensors, a Python loop otherwise."""
+    if state[0].device.type == "xla":
+        return _xla_while_loop(cond, body, state)
+    return _eager_while_loop(cond, body, tuple(state))
+
+
+def _eager_while_loop(
+    cond: Callable[..., Tensor], body: Callable[..., tuple[Tensor, ...]], state: tuple[Tensor, ...]
+) -> tuple[Tensor, ...]:
+    """Reference driver for eager (CPU/CUDA) tensors: the same body in a Python loop."""
+    while bool(cond(*state)):
+        state = body(*state)
+    return state
+
+
+def _xla_while_loop(
+    cond: Callable[..., Tensor], body: Callable[..., tuple[Tensor, ...]], state: Sequence[Tensor]
+) -> tuple[Tensor, ...]:
+    """Run ``while cond(*state): state = body(*state)`` as one XLA ``While`` op inside the lazy graph.
+
+    ``cond`` and ``body`` are traced once on placeholder tensors and lowered to HLO computations; tensors they
+    create internally (scalars, aranges) become extra loop-invariant operands of the While, as in
+    ``torch_xla.experimental.scan``.
+    """
+    import torch_xla
+    import torch_xla.core.xla_builder as xb
+
+    placeholders = [xb.create_placeholder_tensor(t.shape, t.dtype) for t in state]
+
+    def lower(fn: Callable[..., object], name: str) -> tuple[object, dict[int, int], dict[int, Tensor], int]:
+        outputs = fn(*placeholders)
+        outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        ctx = torch_xla._XLAC.lowering.LoweringContext(name)
+        ctx.build(outputs)
+        computation = xb.computation_from_module_proto(name, ctx.hlo())
+        state_params = {}
+        for index, placeholder in enumerate(placeholders):
+            param_id = ctx.tensor_parameter_id(placeholder)
+            if param_id != -1:
+                state_params[param_id] = index
+        hoisted = {k: t for k, t in ctx.device_parameter_id_tensor_mapping().items() if k not in state_params}
+        return computation, state_params, hoisted, len(outputs)
+
+    body_comp, body_params, body_hoisted, num_out = lower(body, "assignment_body")
+    cond_comp, cond_params, cond_hoisted, _ = lower(cond, "assignment_cond")
+    assert num_out == len(state), "the loop body must return the whole state"
+
+    operands = list(state)
+    for params, hoisted in ((body_params, body_hoisted), (cond_params, cond_hoisted)):
+        for param_id, tensor in sorted(hoisted.items()):
+            params[param_id] = len(operands)
+            operands.append(tensor)
+
+    builder = xb.create_builder("assignment_while")
+    while_params = [xb.mkparam(builder, k, shape) for k, shape in enumerate(xb.tensor_shape(operands))]
+
+    def call(computation: object, params: dict[int, int], ops: Sequence[object]) -> object:
+        return xb.Op.call(computation, [ops[params[k]] for k in range(len(params))])
+
+    def cond_fn(*ops: object) -> object:
+        return call(cond_comp, cond_params, ops).get_tuple_element(0)
+
+    def body_fn(*ops: object) -> tuple[object, ...]:
+        result = call(body_comp, body_params, ops)
+        return tuple(result.get_tuple_element(k) for k in range(len(state))) + tuple(ops[len(state) :])
+
+    computation = xb.Op.mkwhile(while_params, cond_fn, body_fn).build("assignment_while")
+    outputs = torch_xla._XLAC._xla_user_computation("xla::assignment_while", operands, computation)
+    return tuple(outputs[: len(state)])

@@ -1,0 +1,116 @@
+"""Build upstream rfdetr's model, criterion and optimizer from our config; the one place that adapts rfdetr to XLA.
+
+Nothing here copies rfdetr: the model is ``rfdetr``'s LWDETR, the loss its SetCriterion (with our static-shape matcher
+from :mod:`spmd_rfdetr.loss`), the parameter groups its ``get_param_dict`` and the schedule its warmup + cosine/step.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from rfdetr import config as rfdetr_config
+from rfdetr._namespace import _namespace_from_configs  # rfdetr's own config -> builder-namespace bridge
+from rfdetr.models.criterion import SetCriterion
+from rfdetr.models.lwdetr import LWDETR, build_criterion_from_config, build_model_from_config
+from rfdetr.models.postprocess import PostProcess
+from rfdetr.models.weights import load_pretrain_weights
+from rfdetr.training.param_groups import get_param_dict
+
+from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions
+
+VARIANTS: dict[str, type[rfdetr_config.ModelConfig]] = {
+    "nano": rfdetr_config.RFDETRNanoConfig,
+    "small": rfdetr_config.RFDETRSmallConfig,
+    "medium": rfdetr_config.RFDETRMediumConfig,
+    "large": rfdetr_config.RFDETRLargeConfig,
+    "base": rfdetr_config.RFDETRBaseConfig,
+}
+
+
+@dataclass
+class UpstreamConfigs:
+    """rfdetr's own pydantic configs for this run (what its builders and dataset readers take)."""
+
+    model: rfdetr_config.ModelConfig
+    train: rfdetr_config.TrainConfig
+
+    def namespace(self) -> Any:
+        """rfdetr's legacy builder namespace (model, criterion and dataset builders read it)."""
+        return _namespace_from_configs(self.model, self.train)
+
+
+def upstream_configs(model: ModelOptions, data: DataOptions, optim: OptimOptions, num_classes: int) -> UpstreamConfigs:
+    """Translate our options into rfdetr's ``ModelConfig`` + ``TrainConfig`` (unset fields keep rfdetr's defaults)."""
+    overrides = {
+        k: v
+        for k, v in {
+            "resolution": model.resolution,
+            "num_queries": model.num_queries,
+            "num_select": model.num_queries,
+            "group_detr": model.group_detr,
+            "dec_layers": model.dec_layers,
+        }.items()
+        if v is not None
+    }
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*pretrain_weights=None.*")
+        model_cfg = VARIANTS[model.variant](
+            pretrain_weights=model.pretrain_weights, num_classes=num_classes, device="cpu", **overrides
+        )
+    train_cfg = rfdetr_config.TrainConfig(
+        dataset_dir=data.dataset_dir,
+        dataset_file=data.dataset_format,
+        output_dir=".",
+        pad_targets_to=data.max_targets,
+        multi_scale=data.multi_scale,
+        augmentation_backend="cpu",
+        lr=optim.lr,
+        lr_encoder=optim.lr_encoder,
+        weight_decay=optim.weight_decay,
+        lr_vit_layer_decay=optim.lr_vit_layer_decay,
+        lr_component_decay=optim.lr_component_decay,
+        clip_max_norm=optim.clip_max_norm,
+    )
+    return UpstreamConfigs(model_cfg, train_cfg)
+
+
+def build_model(cfgs: UpstreamConfigs) -> LWDETR:
+    """rfdetr's LWDETR, from scratch or from ``pretrain_weights`` (a local file: nothing is downloaded)."""
+    net = build_model_from_config(cfgs.model, cfgs.train)
+    if cfgs.model.pretrain_weights is not None:
+        load_pretrain_weights(net, cfgs.model)
+    return net
+
+
+def build_upstream_criterion(cfgs: UpstreamConfigs) -> tuple[SetCriterion, PostProcess]:
+    """rfdetr's SetCriterion with its SciPy HungarianMatcher, exactly as upstream trains (the reference)."""
+    return build_criterion_from_config(cfgs.model, cfgs.train)
+
+
+def build_optimizer(net: torch.nn.Module, cfgs: UpstreamConfigs) -> torch.optim.AdamW:
+    """AdamW over rfdetr's parameter groups (backbone layer decay, decoder component decay, no-decay rules)."""
+    param_groups = get_param_dict(cfgs.namespace(), net)
+    return torch.optim.AdamW(param_groups, lr=cfgs.train.lr, weight_decay=cfgs.train.weight_decay)
+
+
+def lr_factor(step: int, optim: OptimOptions, max_steps: int) -> float:
+    """rfdetr's managed schedule: linear warmup, then cosine to ``min_lr_factor`` or a 10x step drop."""
+    if step < optim.warmup_steps:
+        return (step + 1) / (optim.warmup_steps + 1)  # never exactly 0: lr=0 would be an XLA special scalar
+    if optim.schedule == "cosine":
+        progress = (step - optim.warmup_steps) / max(1, max_steps - optim.warmup_steps)
+        return optim.min_lr_factor + (1 - optim.min_lr_factor) * 0.5 * (1 + math.cos(math.pi * progress))
+    if optim.schedule == "step" and optim.lr_drop_step and step >= optim.lr_drop_step:
+        return 0.1
+    return 1.0
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, optim: OptimOptions, max_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A per-step ``LambdaLR`` over :func:`lr_factor`."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim, max_steps))

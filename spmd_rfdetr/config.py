@@ -42,6 +42,8 @@ class DataOptions:
     """``roboflow`` auto-detects COCO or YOLO layouts; ``coco`` expects the COCO 2017 folder layout."""
     global_batch_size: int = 8
     """Images per step over the whole mesh; must divide by the ``data`` mesh axis."""
+    per_device_batch_size: int | None = None
+    """When set, overrides ``global_batch_size`` with this many images per device of the ``data`` axis."""
     max_targets: int = 100
     """Ground-truth boxes per image after padding (a fixed shape); must be <= ``num_queries``."""
     on_overflow: Literal["error", "truncate"] = "error"
@@ -125,10 +127,20 @@ class ConfigError(ValueError):
     """A configuration problem the user can fix; the message lists every problem found."""
 
 
+def data_axis(cfg: RunConfig, device_count: int) -> int:
+    """Devices on the ``data`` axis of the mesh this config asks for."""
+    return device_count if cfg.mesh.data == -1 else cfg.mesh.data
+
+
 def validate(cfg: RunConfig, device_count: int | None = None) -> None:
-    """Check the whole config at once and raise :class:`ConfigError` listing every problem."""
+    """Check the whole config at once and raise :class:`ConfigError` listing every problem.
+
+    With ``device_count``, also resolves ``data.per_device_batch_size`` into ``data.global_batch_size``.
+    """
     problems: list[str] = []
     d, t, o = cfg.data, cfg.trainer, cfg.optim
+    if device_count is not None and d.per_device_batch_size is not None and data_axis(cfg, device_count) > 0:
+        d.global_batch_size = d.per_device_batch_size * data_axis(cfg, device_count)
     if d.global_batch_size < 1:
         problems.append(f"data.global_batch_size={d.global_batch_size} must be >= 1")
     if d.max_targets < 1:
@@ -142,7 +154,7 @@ def validate(cfg: RunConfig, device_count: int | None = None) -> None:
     if cfg.model.resolution is not None and cfg.model.resolution % 32:
         problems.append(f"model.resolution={cfg.model.resolution} must be a multiple of 32 (patch 16 x 2 windows)")
     if device_count is not None:
-        axis = device_count if cfg.mesh.data == -1 else cfg.mesh.data
+        axis = data_axis(cfg, device_count)
         if axis < 1 or device_count % axis:
             problems.append(f"mesh.data={cfg.mesh.data} must divide the {device_count} devices (or be -1 for all)")
         elif d.global_batch_size % axis:

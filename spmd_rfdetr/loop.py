@@ -83,7 +83,7 @@ def fit(cfg: RunConfig) -> Path:
         scheduler.step()
         window_steps += 1
         metrics.note_compiles(step)
-        if step % t.log_every == 0 or step == t.max_steps:
+        if step == 1 or step % t.log_every == 0 or step == t.max_steps:
             values = step_fn.read(stats)
             elapsed = time.perf_counter() - window_start
             metrics.write(

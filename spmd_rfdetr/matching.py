@@ -30,6 +30,8 @@ __all__ = ["AssignmentResult", "sanitize_cost", "solve_assignment", "solve_assig
 
 #: Reduced costs are clamped here so that sums along alternating paths stay finite in float32.
 _BIG = 1.0e30
+#: Warm-start auction rounds (each one pass over the whole cost; they cut the sequential search rounds several-fold).
+_AUCTION_ROUNDS = 8
 #: Greedy proposal rounds used to finish problems that ran out of rounds.
 _GREEDY_ROUNDS = 2
 #: Margin added to the sentinel that replaces non-finite costs (rfdetr's ``_SANITIZED_COST_MARGIN``).
@@ -87,36 +89,47 @@ def solve_assignment(
 
 @torch.no_grad()
 def solve_assignment_with_stats(
-    cost: Tensor, valid: Tensor, *, max_rounds: int | None = None, eps: float = 1e-5
+    cost: Tensor, valid: Tensor, *, max_rounds: int | None = None, eps: float = 1e-5, auction_rounds: int = _AUCTION_ROUNDS
 ) -> AssignmentResult:
-    """:func:`solve_assignment` plus per-problem round counts (for tests and benchmarks)."""
+    """:func:`solve_assignment` plus per-problem round counts (for tests and benchmarks).
+
+    ``auction_rounds`` bounds the warm-start auction (each round costs one pass over ``[P, T, Q]``).
+    """
     cost = cost.detach()
     num_problems, num_queries, num_targets = cost.shape
-    valid = valid.to(device=cost.device, dtype=torch.bool)
+    device = cost.device
+    valid = valid.to(device=device, dtype=torch.bool)
+    # At most Q targets can be matched: surplus valid slots are dropped and their problem reported unconverged.
+    fits = valid.to(torch.int32).cumsum(dim=1) <= num_queries
+    overflow = (valid & ~fits).any(dim=1)
+    valid = valid & fits
     if max_rounds is None:
         max_rounds = num_targets * (num_targets + 1)
-    if num_targets == 0 or num_problems == 0:
-        empty = torch.zeros((num_problems, num_targets), dtype=torch.int64, device=cost.device)
-        ones = torch.ones(num_problems, dtype=torch.bool, device=cost.device)
-        zero = torch.zeros(num_problems, dtype=torch.int64, device=cost.device)
-        return AssignmentResult(empty, ones, zero, zero.sum())
+    if num_targets == 0 or num_problems == 0 or num_queries == 0:
+        zero = torch.zeros(num_problems, dtype=torch.int64, device=device)
+        return AssignmentResult(torch.zeros_like(valid, dtype=torch.int64), ~overflow, zero, zero.sum())
 
     reduced = _reduced_cost(cost, valid)
-    state = _while_loop(lambda *s: (s[_CUR] < num_targets).any() & (s[_IT] < max_rounds), _step, _initial_state(reduced, valid))
-    col4row, done = state[_COL4ROW], state[_CUR] >= num_targets
-    certified = _certified(reduced, valid, state[_U], state[_V], col4row, eps)
 
-    # Greedy completion only runs (as a 0- or 1-trip loop) when some problem ran out of rounds.
+    def searching(*state: Tensor) -> Tensor:
+        return (state[_CUR] < num_targets).any() & (state[_IT] < max_rounds)
+
+    state = _while_loop(searching, _step, _initial_state(reduced, valid, auction_rounds))
+    col4row, done = state[_COL4ROW], state[_CUR] >= num_targets
+    certified = _certified(valid, state[_U], state[_V], col4row, reduced, eps)
+
+    # Greedy completion runs (as a 0- or 1-trip loop) only when some problem ran out of rounds.
     def pending(cost: Tensor, valid: Tensor, col4row: Tensor, first: Tensor) -> Tensor:
         return first & (valid & (col4row == num_queries)).any()
 
     def finish(cost: Tensor, valid: Tensor, col4row: Tensor, first: Tensor) -> tuple[Tensor, ...]:
         return cost, valid, _greedy_finish(cost, valid, col4row), torch.zeros_like(first)
 
-    first = torch.ones((), dtype=torch.bool, device=cost.device)
+    first = torch.ones((), dtype=torch.bool, device=device)
     col4row = _while_loop(pending, finish, (reduced, valid, col4row, first))[2]
     query_of_target = torch.where(valid, col4row, torch.zeros_like(col4row)).long()
-    return AssignmentResult(query_of_target, done & certified, state[_ROUNDS].long(), state[_IT].long())
+    converged = done & certified & ~overflow
+    return AssignmentResult(query_of_target, converged, state[_ROUNDS].long(), state[_IT].long())
 
 
 def _reduced_cost(cost: Tensor, valid: Tensor) -> Tensor:
@@ -143,25 +156,36 @@ def _take(values: Tensor, index: Tensor) -> Tensor:
     return values.gather(1, index.long()[:, None])[:, 0]
 
 
-def _initial_state(cost: Tensor, valid: Tensor) -> tuple[Tensor, ...]:
-    """Greedy conflict-free start (each row's argmin column, lowest row wins) and an idle search state."""
+def _initial_state(cost: Tensor, valid: Tensor, auction_rounds: int) -> tuple[Tensor, ...]:
+    """Warm start from a few exact auction rounds, then an idle search state for the first unassigned row."""
     num_problems, num_targets, num_queries = cost.shape
     device = cost.device
-    rows = torch.arange(num_targets, device=device, dtype=_INDEX)
-    best = cost.argmin(dim=2)  # [P, T] int64; reduced cost 0 there
-    claim = torch.where(valid, best, torch.full_like(best, num_queries))  # invalid rows claim the spare slot Q
-    row4col = torch.full((num_problems, num_queries + 1), num_targets, dtype=_INDEX, device=device)
-    row4col = row4col.scatter_reduce(1, claim, rows.expand(num_problems, -1), "amin")
-    won = valid & (row4col.gather(1, claim) == rows)
-    col4row = torch.where(won, best.to(_INDEX), torch.full_like(rows, num_queries).expand(num_problems, -1))
-    cur = _first_true(valid & ~won, num_targets)
+    v = torch.zeros((num_problems, num_queries), dtype=cost.dtype, device=device)
+    col4row = torch.full((num_problems, num_targets), num_queries, dtype=_INDEX, device=device)
+    row4col = torch.full((num_problems, num_queries), num_targets, dtype=_INDEX, device=device)
+    round_ = torch.zeros((), dtype=_INDEX, device=device)
+
+    def more(cost: Tensor, valid: Tensor, v: Tensor, col4row: Tensor, row4col: Tensor, k: Tensor) -> Tensor:
+        return (k < auction_rounds) & (valid & (col4row == num_queries)).any()
+
+    def bid(cost: Tensor, valid: Tensor, v: Tensor, col4row: Tensor, row4col: Tensor, k: Tensor) -> tuple[Tensor, ...]:
+        return (cost, valid, *_auction_round(cost, valid, v, col4row, row4col), k + 1)
+
+    if num_queries > 1:
+        _, _, v, col4row, row4col, _ = _while_loop(more, bid, (cost, valid, v, col4row, row4col, round_))
+    else:  # one query: the cheapest target takes it
+        _, _, v, col4row, row4col = _auction_round(cost, valid, v, col4row, row4col)
+    held = col4row.clamp(max=num_queries - 1).long()
+    u = cost.gather(2, held[:, :, None])[:, :, 0] - v.gather(1, held)  # tight on assigned rows
+    u = torch.where(col4row < num_queries, u, torch.zeros_like(u))
+    cur = _first_true(valid & (col4row == num_queries), num_targets)
     return (
         cost,
         valid,
-        torch.zeros((num_problems, num_targets), dtype=cost.dtype, device=device),  # u
-        torch.zeros((num_problems, num_queries), dtype=cost.dtype, device=device),  # v
+        u,
+        v,
         col4row,
-        row4col[:, :num_queries].contiguous(),
+        row4col,
         cur,
         cur.clone(),  # i: row scanned next
         torch.full((num_problems, num_queries), float("inf"), dtype=cost.dtype, device=device),  # d
@@ -172,6 +196,45 @@ def _initial_state(cost: Tensor, valid: Tensor) -> tuple[Tensor, ...]:
         torch.zeros(num_problems, dtype=_INDEX, device=device),  # rounds
         torch.zeros((), dtype=_INDEX, device=device),  # iteration
     )
+
+
+def _auction_round(
+    cost: Tensor, valid: Tensor, v: Tensor, col4row: Tensor, row4col: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One Jacobi auction round with zero epsilon (JV's augmenting row reduction, all free rows at once).
+
+    Every free row bids for its best column ``j1`` (by ``cost - v``) the gap to its second best; per column the
+    highest bid wins (ties: lowest row), evicting the previous holder, and ``v[j1]`` drops by the bid. This keeps the
+    Hungarian invariants: reduced costs >= 0 on assigned rows, assigned pairs tight, ``v <= 0``, free columns at 0.
+    """
+    num_problems, num_targets, num_queries = cost.shape
+    device = cost.device
+    rows = torch.arange(num_targets, device=device, dtype=_INDEX).expand(num_problems, -1)
+    cols = torch.arange(num_queries, device=device)
+    free = valid & (col4row == num_queries)
+    value = cost - v[:, None, :]
+    best, j1 = value.min(dim=2)  # [P, T]
+    second = torch.where(cols == j1[:, :, None], torch.full_like(value, float("inf")), value).amin(dim=2)
+    gain = torch.clamp(second - best, max=_BIG)
+    target = torch.where(free, j1, torch.full_like(j1, num_queries))  # spare slot Q for non-bidders
+    top_gain = torch.full((num_problems, num_queries + 1), -1.0, dtype=cost.dtype, device=device)
+    top_gain = top_gain.scatter_reduce(1, target, gain, "amax")
+    top = free & (gain == top_gain.gather(1, target))
+    first = torch.full((num_problems, num_queries + 1), num_targets, dtype=_INDEX, device=device)
+    first = first.scatter_reduce(1, torch.where(top, target, torch.full_like(target, num_queries)), rows, "amin")
+    won = top & (first.gather(1, target) == rows)
+    won_col = torch.where(won, target, torch.full_like(target, num_queries))
+    drop = torch.zeros((num_problems, num_queries + 1), dtype=cost.dtype, device=device)
+    drop = drop.scatter_add(1, won_col, torch.where(won, gain, torch.zeros_like(gain)))
+    owner = torch.full((num_problems, num_queries + 1), num_targets, dtype=_INDEX, device=device)
+    owner = owner.scatter(1, won_col, rows)[:, :num_queries]
+    taken = owner < num_targets
+    loser = torch.where(taken, row4col, torch.full_like(row4col, num_targets)).long()
+    evicted = torch.zeros((num_problems, num_targets + 1), dtype=torch.bool, device=device)
+    evicted = evicted.scatter(1, loser, torch.ones_like(taken))[:, :num_targets]
+    col4row = torch.where(evicted, torch.full_like(col4row, num_queries), col4row)
+    col4row = torch.where(won, j1.to(_INDEX), col4row)
+    return v - drop[:, :num_queries], col4row, torch.where(taken, owner, row4col)
 
 
 def _step(*s: Tensor) -> tuple[Tensor, ...]:
@@ -234,18 +297,19 @@ def _step(*s: Tensor) -> tuple[Tensor, ...]:
     return (cost, valid, u, v, col4row, row4col, cur, i, d, pred, sc, minval, sink, rounds, it + 1)
 
 
-def _certified(cost: Tensor, valid: Tensor, u: Tensor, v: Tensor, col4row: Tensor, eps: float) -> Tensor:
-    """Dual certificate: reduced costs >= -tol, assigned pairs tight, v <= 0 and free columns at v = 0 (within tol).
+def _certified(valid: Tensor, u: Tensor, v: Tensor, col4row: Tensor, cost: Tensor, eps: float) -> Tensor:
+    """Dual certificate within ``tol = eps * (1 + max|u| + max|v|)`` (the scale of the duals' rounding error).
 
-    Together these bound the total's distance from the optimum by about ``2 * T * tol``.
+    Checks reduced costs ``>= -tol`` on valid rows, assigned pairs tight, ``v <= tol`` and free columns at
+    ``|v| <= tol``; together these bound the total's distance from the optimum by about ``2 * T * tol``.
     """
     num_queries = cost.shape[2]
+    u = torch.where(valid, u, torch.zeros_like(u))
+    tol = eps * (1.0 + u.abs().amax(dim=1) + v.abs().amax(dim=1))
     slack_min = (cost - u[:, :, None] - v[:, None, :]).amin(dim=2)  # [P, T]
-    scale = torch.where(valid, torch.where(cost < _BIG, cost, torch.zeros_like(cost)).amax(dim=2), torch.zeros_like(u))
-    tol = eps * torch.clamp(scale.amax(dim=1), min=1.0)
-    assigned = col4row < num_queries
     held = col4row.clamp(max=num_queries - 1).long()
     slack_held = cost.gather(2, held[:, :, None])[:, :, 0] - u - v.gather(1, held)
+    assigned = col4row < num_queries
     row_ok = ~valid | (assigned & (slack_min >= -tol[:, None]) & (slack_held <= tol[:, None]))
     used = _used_columns(col4row, num_queries)
     col_ok = (v <= tol[:, None]) & (used | (v >= -tol[:, None]))

@@ -3,11 +3,103 @@
 SPMD is process-global in torch_xla, so it is switched on once, here, before any XLA tensor exists. Tests that need a
 different device count or no SPMD run a subprocess.
 """
+import glob
 import os
 
-os.environ.setdefault("PJRT_DEVICE", "CPU")
-os.environ.setdefault("CPU_NUM_DEVICES", "4")
+if "PJRT_DEVICE" not in os.environ and not glob.glob("/dev/accel*") and not glob.glob("/dev/vfio/[0-9]*"):
+    os.environ["PJRT_DEVICE"] = "CPU"  # no TPU here: a 4-device virtual CPU mesh (a TPU VM keeps its chips)
+    os.environ.setdefault("CPU_NUM_DEVICES", "4")
 
 import torch_xla.runtime as xr  # noqa: E402
 
 xr.use_spmd()
+
+import copy  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions, RunConfig, TrainerOptions  # noqa: E402
+
+# The one tiny RF-DETR every in-process test compiles (graphs are shared within the process: keep shapes identical).
+TINY_MODEL = ModelOptions(resolution=128, num_queries=30, group_detr=2, dec_layers=2)
+TINY_BATCH = 8
+TINY_MAX_TARGETS = 8
+
+
+@pytest.fixture(scope="session")
+def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A real synthetic COCO dataset on disk (Roboflow layout), shared by the session."""
+    from spmd_rfdetr.synth import synth
+
+    return str(synth(str(tmp_path_factory.mktemp("data") / "synth"), train_images=32, valid_images=40, test_images=4))
+
+
+@dataclass
+class Tiny:
+    """Tiny-config pieces: run config, rfdetr configs, deterministic batches and the initial weights."""
+
+    cfg: RunConfig
+    cfgs: Any
+    batches: list[dict[str, torch.Tensor]]
+    init_state: dict[str, torch.Tensor]
+    cache: dict[str, Any] = field(default_factory=dict)
+
+    def model(self) -> torch.nn.Module:
+        """A fresh CPU copy of the tiny model at its initial weights."""
+        from spmd_rfdetr.model import build_model
+
+        net = build_model(self.cfgs)
+        net.load_state_dict(self.init_state)
+        return net.train()
+
+
+@pytest.fixture(scope="session")
+def tiny(synth_dir: str) -> Tiny:
+    from spmd_rfdetr.data import StaticCollate, build_split
+    from spmd_rfdetr.model import build_model, upstream_configs
+
+    data = DataOptions(dataset_dir=synth_dir, global_batch_size=TINY_BATCH, max_targets=TINY_MAX_TARGETS, num_workers=0)
+    optim = OptimOptions(schedule="constant", warmup_steps=0)
+    cfg = RunConfig(model=copy.deepcopy(TINY_MODEL), data=data, optim=optim, trainer=TrainerOptions(precision="fp32"))
+    cfgs = upstream_configs(cfg.model, data, optim, num_classes=3)
+    valid = build_split(cfgs, "valid")  # deterministic transforms: the same pixels for every consumer
+    collate = StaticCollate(TINY_MAX_TARGETS, cfgs.model.resolution)
+    batches = [collate([valid[i] for i in range(b, b + TINY_BATCH)]) for b in range(0, len(valid), TINY_BATCH)]
+    torch.manual_seed(0)
+    init_state = copy.deepcopy(build_model(cfgs).state_dict())
+    return Tiny(cfg, cfgs, batches, init_state)
+
+
+@dataclass
+class MeshTrainer:
+    """The tiny model trained by our compiled step on the 4-device mesh (created once per session)."""
+
+    fabric: Any
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    step: Any
+    to_device: Any
+    backbone_mask_dtypes: list[torch.dtype]
+
+
+@pytest.fixture(scope="session")
+def mesh_trainer(tiny: Tiny) -> MeshTrainer:
+    from spmd_rfdetr.fabric import spmd_fabric
+    from spmd_rfdetr.loss import build_criterion
+    from spmd_rfdetr.mesh import build_mesh
+    from spmd_rfdetr.model import build_optimizer, build_upstream_criterion
+    from spmd_rfdetr.step import TrainStep
+
+    fabric = spmd_fabric(build_mesh(), precision="32-true")
+    net = tiny.model()
+    mask_dtypes: list[torch.dtype] = []
+    net.backbone.register_forward_pre_hook(lambda _m, args: mask_dtypes.append(args[0].mask.dtype))
+    criterion = build_criterion(build_upstream_criterion(tiny.cfgs)[0], solver="device").train()
+    optimizer = build_optimizer(net, tiny.cfgs)
+    net, optimizer = fabric.setup(net, optimizer)
+    step = TrainStep(net, criterion, optimizer, clip_max_norm=tiny.cfg.optim.clip_max_norm, full_graph=True)
+    loader = fabric.strategy.process_dataloader(torch.utils.data.DataLoader(tiny.batches, batch_size=None))
+    return MeshTrainer(fabric, net, optimizer, step, loader.to_device, mask_dtypes)

@@ -82,7 +82,7 @@ def fit(cfg: RunConfig) -> Path:
         stats = step_fn(next(batches))
         scheduler.step()
         window_steps += 1
-        metrics.note_compiles(step)
+        metrics.after_step(step)
         if step == 1 or step % t.log_every == 0 or step == t.max_steps:
             values = step_fn.read(stats)
             elapsed = time.perf_counter() - window_start

@@ -30,7 +30,8 @@ def park_padding(query_of_target: torch.Tensor, valid: torch.Tensor, num_queries
     ``query_of_target`` [P, T] (only valid slots meaningful), ``valid`` [P, T] -> [P, T] injective per problem.
     """
     taken = torch.zeros(query_of_target.shape[0], num_queries, dtype=torch.int32, device=query_of_target.device)
-    taken = taken.scatter(1, torch.where(valid, query_of_target, 0), valid.to(torch.int32))
+    # scatter_add, not scatter: the padding slots all point at query 0, and duplicate-index scatter is unordered
+    taken = taken.scatter_add(1, torch.where(valid, query_of_target, 0), valid.to(torch.int32))
     free_first = torch.argsort(taken, dim=1, stable=True)  # free queries in ascending order, then taken ones
     pad_rank = torch.cumsum((~valid).to(torch.int64), dim=1) - 1
     parked = torch.gather(free_first, 1, pad_rank.clamp(min=0))

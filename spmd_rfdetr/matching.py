@@ -1,21 +1,24 @@
 """Exact batched linear assignment on the device, for the DETR Hungarian matcher.
 
 Algorithm: the shortest-augmenting-path Hungarian method (Jonker-Volgenant / Crouse, the algorithm behind
-``scipy.optimize.linear_sum_assignment``), vectorised over problems. Targets are rows, queries are columns.
+``scipy.optimize.linear_sum_assignment``), vectorised over P problems. Targets are rows, queries are columns.
 
-* Row reduction (``C - min_j C``) and a conflict-free greedy start: every target whose cheapest query no
-  lower-indexed target also wants gets it (tight at duals ``u = v = 0``).
-* Each remaining target is inserted by one Dijkstra search over reduced costs ``C - u - v``; one loop iteration
-  scans one column per problem. When a free query is reached, the duals are updated exactly like SciPy does and the
-  alternating path is flipped back one edge per iteration (the first flip happens in the same iteration).
-* The loop is an XLA ``While`` (built with ``torch_xla.core.xla_builder``, like ``torch_xla.experimental.scan``) that
-  stops when every problem is done or after ``max_rounds`` iterations, so a batch costs as many iterations as its
-  hardest problem needs, not a worst-case budget. In eager PyTorch the same body runs in a Python loop.
-* No tolerance enters the search: the result is optimal up to float32 rounding of the duals. ``converged`` also
-  checks the dual certificate (reduced costs ``>= -eps * scale``), which bounds the total's error by about
-  ``2 * T * eps * scale``. A problem that runs out of rounds keeps its (injective) partial matching and the rest is
-  filled greedily: two rounds of "each target proposes its cheapest free query, the cheapest proposer wins", then
-  the k-th leftover target takes the k-th free query.
+1. Sanitize NaN/inf like rfdetr, then row-reduce (``C - min_q C``): the optimum does not change, float32 keeps more
+   digits. Costs live as ``[P, T, Q]`` float32.
+2. Warm start: up to ``auction_rounds`` Jacobi auction rounds with zero epsilon (JV's "augmenting row reduction",
+   all free targets at once). They keep the Hungarian invariants exactly (reduced costs >= 0 where assigned, assigned
+   pairs tight, query duals ``v <= 0`` and 0 on free queries), so nothing they do can cost optimality; they only
+   assign most targets in a few dense passes.
+3. Every still-free target is inserted by a Dijkstra search over reduced costs ``C - u - v`` (SciPy's dual update);
+   one loop round scans one column per problem, or flips one edge of the augmenting path once a free query is found.
+4. The loops are XLA ``While`` ops (built with ``torch_xla.core.xla_builder``, like ``torch_xla.experimental.scan``)
+   that stop when every problem is done, so a batch costs as many rounds as its hardest problem needs. In eager
+   PyTorch the same bodies run in a Python loop.
+
+No tolerance enters the search: the result is optimal up to float32 rounding. ``converged`` also checks the dual
+certificate within ``eps`` (relative to the duals' magnitude). A problem that runs out of ``max_rounds`` keeps its
+(injective) partial matching and the rest is filled greedily: two rounds of "each free target proposes its cheapest
+free query, the cheapest proposer wins", then the k-th leftover target takes the k-th free query.
 """
 
 from __future__ import annotations
@@ -89,7 +92,12 @@ def solve_assignment(
 
 @torch.no_grad()
 def solve_assignment_with_stats(
-    cost: Tensor, valid: Tensor, *, max_rounds: int | None = None, eps: float = 1e-5, auction_rounds: int = _AUCTION_ROUNDS
+    cost: Tensor,
+    valid: Tensor,
+    *,
+    max_rounds: int | None = None,
+    eps: float = 1e-5,
+    auction_rounds: int = _AUCTION_ROUNDS,
 ) -> AssignmentResult:
     """:func:`solve_assignment` plus per-problem round counts (for tests and benchmarks).
 
@@ -171,10 +179,7 @@ def _initial_state(cost: Tensor, valid: Tensor, auction_rounds: int) -> tuple[Te
     def bid(cost: Tensor, valid: Tensor, v: Tensor, col4row: Tensor, row4col: Tensor, k: Tensor) -> tuple[Tensor, ...]:
         return (cost, valid, *_auction_round(cost, valid, v, col4row, row4col), k + 1)
 
-    if num_queries > 1:
-        _, _, v, col4row, row4col, _ = _while_loop(more, bid, (cost, valid, v, col4row, row4col, round_))
-    else:  # one query: the cheapest target takes it
-        _, _, v, col4row, row4col = _auction_round(cost, valid, v, col4row, row4col)
+    _, _, v, col4row, row4col, _ = _while_loop(more, bid, (cost, valid, v, col4row, row4col, round_))
     held = col4row.clamp(max=num_queries - 1).long()
     u = cost.gather(2, held[:, :, None])[:, :, 0] - v.gather(1, held)  # tight on assigned rows
     u = torch.where(col4row < num_queries, u, torch.zeros_like(u))
@@ -216,14 +221,8 @@ def _auction_round(
     best, j1 = value.min(dim=2)  # [P, T]
     second = torch.where(cols == j1[:, :, None], torch.full_like(value, float("inf")), value).amin(dim=2)
     gain = torch.clamp(second - best, max=_BIG)
-    target = torch.where(free, j1, torch.full_like(j1, num_queries))  # spare slot Q for non-bidders
-    top_gain = torch.full((num_problems, num_queries + 1), -1.0, dtype=cost.dtype, device=device)
-    top_gain = top_gain.scatter_reduce(1, target, gain, "amax")
-    top = free & (gain == top_gain.gather(1, target))
-    first = torch.full((num_problems, num_queries + 1), num_targets, dtype=_INDEX, device=device)
-    first = first.scatter_reduce(1, torch.where(top, target, torch.full_like(target, num_queries)), rows, "amin")
-    won = top & (first.gather(1, target) == rows)
-    won_col = torch.where(won, target, torch.full_like(target, num_queries))
+    won = _winners(free, j1, gain, "amax", num_queries)
+    won_col = torch.where(won, j1, torch.full_like(j1, num_queries))
     drop = torch.zeros((num_problems, num_queries + 1), dtype=cost.dtype, device=device)
     drop = drop.scatter_add(1, won_col, torch.where(won, gain, torch.zeros_like(gain)))
     owner = torch.full((num_problems, num_queries + 1), num_targets, dtype=_INDEX, device=device)
@@ -251,7 +250,7 @@ def _step(*s: Tensor) -> tuple[Tensor, ...]:
 
     # Scan row i: relax the unscanned columns, then take the closest one (a free one on ties, like SciPy).
     row = i.clamp(max=num_targets - 1)
-    cost_row = cost[problems, row.long()]  # [P, Q]
+    cost_row = cost.gather(1, row.long()[:, None, None].expand(num_problems, 1, num_queries))[:, 0]  # [P, Q]
     cand = (minval - _take(u, row))[:, None] + cost_row - v
     relax = searching[:, None] & ~sc & (cand < d)
     d = torch.where(relax, cand, d)
@@ -323,34 +322,41 @@ def _used_columns(col4row: Tensor, num_queries: int) -> Tensor:
     return used[:, :num_queries] > 0
 
 
+def _winners(bidding: Tensor, column: Tensor, key: Tensor, best: str, num_queries: int) -> Tensor:
+    """``[P, T]`` bool: bidding rows whose ``key`` is the best (``"amax"``/``"amin"``) for their ``column``.
+
+    Ties go to the lowest row, so each column has at most one winner.
+    """
+    num_problems, num_targets = column.shape
+    rows = torch.arange(num_targets, device=column.device, dtype=_INDEX).expand(num_problems, -1)
+    spare = torch.full_like(column, num_queries)  # slot Q collects the rows that do not bid
+    slot = torch.where(bidding, column, spare)
+    worst = float("-inf") if best == "amax" else float("inf")
+    top = torch.full((num_problems, num_queries + 1), worst, dtype=key.dtype, device=key.device)
+    at_top = bidding & (key == top.scatter_reduce(1, slot, key, best).gather(1, slot))
+    first = torch.full((num_problems, num_queries + 1), num_targets, dtype=_INDEX, device=key.device)
+    first = first.scatter_reduce(1, torch.where(at_top, slot, spare), rows, "amin")
+    return at_top & (first.gather(1, slot) == rows)
+
+
 def _greedy_finish(cost: Tensor, valid: Tensor, col4row: Tensor) -> Tensor:
     """Give every still-unassigned valid row a distinct free column (a no-op for finished problems)."""
     num_problems, num_targets, num_queries = cost.shape
-    rows = torch.arange(num_targets, device=cost.device, dtype=_INDEX)
-    cols = torch.arange(num_queries, device=cost.device, dtype=_INDEX)
     for _ in range(_GREEDY_ROUNDS):
         need = valid & (col4row == num_queries)
-        open_cost = torch.where(_used_columns(col4row, num_queries)[:, None, :] | ~need[:, :, None], _BIG * 2, cost)
-        pick_cost, pick = open_cost.min(dim=2)  # [P, T]
-        pick = pick.to(_INDEX)
-        bid = torch.where(need & (pick_cost <= _BIG), pick, torch.full_like(pick, num_queries))
-        # Cheapest proposer per column (ties: lowest row); the spare slot Q collects non-bids.
-        key = torch.full((num_problems, num_queries + 1), _BIG * 4, dtype=cost.dtype, device=cost.device)
-        key = key.scatter_reduce(1, bid.long(), pick_cost, "amin")
-        cheapest = (pick_cost == key.gather(1, bid.long())) & (bid < num_queries)
-        first = torch.full((num_problems, num_queries + 1), num_targets, dtype=_INDEX, device=cost.device)
-        first = first.scatter_reduce(1, torch.where(cheapest, bid, torch.full_like(bid, num_queries)).long(), rows.expand(num_problems, -1), "amin")
-        accepted = cheapest & (first.gather(1, bid.long()) == rows)
-        col4row = torch.where(accepted, pick, col4row)
+        taken = _used_columns(col4row, num_queries)[:, None, :] | ~need[:, :, None]
+        pick_cost, pick = torch.where(taken, torch.full_like(cost, 2 * _BIG), cost).min(dim=2)  # [P, T]
+        won = _winners(need & (pick_cost <= _BIG), pick, pick_cost, "amin", num_queries)
+        col4row = torch.where(won, pick.to(_INDEX), col4row)
     # Whatever is left: the k-th needy row takes the k-th free column.
     need = valid & (col4row == num_queries)
     free = ~_used_columns(col4row, num_queries)
-    row_rank = need.to(torch.int32).cumsum(dim=1) - 1
-    free_rank = torch.where(free, free.to(torch.int32).cumsum(dim=1) - 1, torch.full_like(cols, -1).expand(num_problems, -1))
+    cols = torch.arange(num_queries, device=cost.device, dtype=_INDEX).expand(num_problems, -1)
+    free_rank = torch.where(free, free.long().cumsum(dim=1) - 1, torch.full_like(cols, num_queries, dtype=torch.int64))
     col_of_rank = torch.full((num_problems, num_queries + 1), num_queries, dtype=_INDEX, device=cost.device)
-    col_of_rank = col_of_rank.scatter(1, torch.where(free, free_rank, torch.full_like(free_rank, num_queries)).long(), cols.expand(num_problems, -1))
-    fill = col_of_rank.gather(1, torch.where(need, row_rank, torch.full_like(row_rank, num_queries)).long())
-    return torch.where(need, fill, col4row)
+    col_of_rank = col_of_rank.scatter(1, free_rank, cols)
+    need_rank = torch.where(need, need.long().cumsum(dim=1) - 1, torch.full_like(col4row, num_queries, dtype=torch.int64))
+    return torch.where(need, col_of_rank.gather(1, need_rank), col4row)
 
 
 def _while_loop(

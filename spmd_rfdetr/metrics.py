@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch_xla.debug.metrics as met
+
+log = logging.getLogger(__name__)
 
 
 def xla_counters() -> dict[str, int]:
@@ -32,29 +35,52 @@ def aten_fallbacks() -> dict[str, int]:
 
 
 class MetricsLog:
-    """Appends one JSON object per log point to ``<output_dir>/metrics.jsonl`` and prints a progress line/bar."""
+    """Appends one JSON object per log point to ``<output_dir>/metrics.jsonl`` and prints a progress line/bar.
 
-    def __init__(self, output_dir: str | Path, max_steps: int, progress_bar: bool | None = None) -> None:
+    Also watches the counters after every step: a line whenever XLA compiles, and one warning each for a compile after
+    ``warmup_steps`` and for a device->host transfer outside a log point (both cost a TPU dearly).
+    """
+
+    def __init__(
+        self, output_dir: str | Path, max_steps: int, progress_bar: bool | None = None, warmup_steps: int = 2
+    ) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_steps = max_steps
+        self.warmup_steps = warmup_steps
         self.bar = sys.stderr.isatty() if progress_bar is None else progress_bar
-        self._compiles_seen = xla_counters()["xla_compiles"]
+        self._seen = xla_counters()
+        self._warned: set[str] = set()
 
-    def note_compiles(self, step: int) -> int:
-        """Print a line when XLA compiled new graphs since the last call; returns how many."""
-        compiles = xla_counters()["xla_compiles"]
-        new = compiles - self._compiles_seen
-        if new:
+    def after_step(self, step: int) -> None:
+        """Report new compilations and host transfers made by this step (call before reading anything back)."""
+        now = xla_counters()
+        new_compiles = now["xla_compiles"] - self._seen["xla_compiles"]
+        if new_compiles:
             data = met.metric_data("CompileTime")
-            seconds = data[1] / 1e9 if data else float("nan")
-            self._print(f"step {step}: XLA compiled {new} new graph(s) ({compiles} in total, {seconds:.1f} s compiling so far)")
-            self._compiles_seen = compiles
-        return new
+            total_s = data[1] / 1e9 if data else float("nan")
+            self._print(f"step {step}: XLA compiled {new_compiles} new graph(s) ({now['xla_compiles']} in total, {total_s:.1f} s compiling so far)")
+            if step > self.warmup_steps:
+                self._warn_once(
+                    "recompile",
+                    f"step {step}: XLA compiled a new graph after warm-up; something changed shape or a Python value "
+                    "baked into the graph changed. Rerun with PT_XLA_DEBUG_LEVEL=2 to print the cause.",
+                )
+        if now["xla_transfers_to_host"] > self._seen["xla_transfers_to_host"]:
+            self._warn_once(
+                "transfer",
+                f"step {step}: {now['xla_transfers_to_host'] - self._seen['xla_transfers_to_host']} device->host "
+                "transfer(s) outside a log point; each one stalls the device. Rerun with PT_XLA_DEBUG_LEVEL=2 to see where.",
+            )
+        if now["xla_aten_fallbacks"] > self._seen["xla_aten_fallbacks"]:
+            self._warn_once("fallback", f"step {step}: ops fell back to the CPU: {aten_fallbacks()}")
+        self._seen = now
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append ``record`` (plus the cumulative XLA counters) and show it."""
-        record = {**record, **xla_counters(), "time": time.time()}
+        """Append ``record`` (plus the cumulative XLA counters) and show it; call after reading the step's stats."""
+        counters = xla_counters()
+        self._seen = counters  # the log point's own read-back is expected
+        record = {**record, **counters, "time": time.time()}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         step = record["step"]
@@ -63,6 +89,11 @@ class MetricsLog:
             done = int(30 * step / self.max_steps)
             line = f"[{'#' * done}{'.' * (30 - done)}] " + line
         self._print(line)
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning(message)
 
     @staticmethod
     def _print(line: str) -> None:

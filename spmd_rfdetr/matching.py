@@ -34,7 +34,7 @@ __all__ = ["AssignmentResult", "sanitize_cost", "solve_assignment", "solve_assig
 #: Reduced costs are clamped here so that sums along alternating paths stay finite in float32.
 _BIG = 1.0e30
 #: Warm-start auction rounds (each one pass over the whole cost; they cut the sequential search rounds several-fold).
-_AUCTION_ROUNDS = 8
+_AUCTION_ROUNDS = 4
 #: Greedy proposal rounds used to finish problems that ran out of rounds.
 _GREEDY_ROUNDS = 2
 #: Margin added to the sentinel that replaces non-finite costs (rfdetr's ``_SANITIZED_COST_MARGIN``).
@@ -58,6 +58,8 @@ def sanitize_cost(cost: Tensor, valid: Tensor) -> Tensor:
     sentinel over the whole batch matrix, and only when something is non-finite; per problem is the batched analogue
     and gives the same assignment whenever a problem's optimum avoids non-finite entries.
     """
+    if cost.numel() == 0:
+        return cost
     fmax = torch.finfo(cost.dtype).max
     finite = torch.isfinite(cost) & valid[:, None, :]
     masked = torch.where(finite, cost, torch.zeros_like(cost))
@@ -141,11 +143,25 @@ def solve_assignment_with_stats(
 
 
 def _reduced_cost(cost: Tensor, valid: Tensor) -> Tensor:
-    """Sanitized, row-reduced float32 cost ``[P, T, Q]`` (rows = targets); invalid rows are 0."""
-    cost = sanitize_cost(cost.float(), valid)
-    cost = cost - cost.amin(dim=1, keepdim=True)
-    cost = torch.where(valid[:, None, :], cost, torch.zeros_like(cost))
-    return torch.clamp(cost, min=0.0, max=_BIG).transpose(1, 2).contiguous()
+    """``sanitize_cost`` then row reduction, as float32 ``[P, T, Q]`` (rows = targets; invalid rows are 0).
+
+    Same numbers as ``sanitize_cost(cost) - min over queries``, but from per-target statistics, so the big tensor is
+    read once and written once.
+    """
+    cost = cost.float()
+    fmax = torch.finfo(cost.dtype).max
+    finite = torch.isfinite(cost)
+    low = torch.where(finite, cost, torch.full_like(cost, float("inf"))).amin(dim=1)  # [P, T]
+    high = torch.where(finite, cost, torch.full_like(cost, float("-inf"))).amax(dim=1)
+    any_finite = valid & (low <= high)
+    max_cost = torch.where(any_finite, high, torch.full_like(high, -fmax)).amax(dim=1)  # [P]
+    max_abs = torch.where(any_finite, torch.maximum(high.abs(), low.abs()), torch.zeros_like(high)).amax(dim=1)
+    sentinel = torch.clamp(max_cost + max_abs + _SANITIZED_COST_MARGIN, max=fmax)
+    sentinel = torch.where(any_finite.any(dim=1), sentinel, torch.full_like(sentinel, fmax))[:, None, None]
+    row_min = torch.where(low <= high, low, sentinel[:, :, 0].expand_as(low))  # sentinel > every finite entry
+    reduced = torch.where(finite, cost, sentinel) - row_min[:, None, :]
+    reduced = torch.where(valid[:, None, :], reduced, torch.zeros_like(reduced))
+    return torch.clamp(reduced, min=0.0, max=_BIG).transpose(1, 2).contiguous()
 
 
 # Positions in the loop state (a flat tuple of tensors, as an XLA While carries it).
@@ -243,7 +259,6 @@ def _step(*s: Tensor) -> tuple[Tensor, ...]:
     device = cost.device
     cols = torch.arange(num_queries, device=device, dtype=_INDEX)
     rows = torch.arange(num_targets, device=device, dtype=_INDEX)
-    problems = torch.arange(num_problems, device=device)
     inf = torch.full_like(d, float("inf"))
     active = cur < num_targets
     searching = active & (sink == num_queries)
@@ -352,10 +367,11 @@ def _greedy_finish(cost: Tensor, valid: Tensor, col4row: Tensor) -> Tensor:
     need = valid & (col4row == num_queries)
     free = ~_used_columns(col4row, num_queries)
     cols = torch.arange(num_queries, device=cost.device, dtype=_INDEX).expand(num_problems, -1)
-    free_rank = torch.where(free, free.long().cumsum(dim=1) - 1, torch.full_like(cols, num_queries, dtype=torch.int64))
+    no_rank = torch.full((num_problems, 1), num_queries, dtype=torch.int64, device=cost.device)  # spare slot Q
+    free_rank = torch.where(free, free.long().cumsum(dim=1) - 1, no_rank)
     col_of_rank = torch.full((num_problems, num_queries + 1), num_queries, dtype=_INDEX, device=cost.device)
     col_of_rank = col_of_rank.scatter(1, free_rank, cols)
-    need_rank = torch.where(need, need.long().cumsum(dim=1) - 1, torch.full_like(col4row, num_queries, dtype=torch.int64))
+    need_rank = torch.where(need, need.long().cumsum(dim=1) - 1, no_rank)
     return torch.where(need, col_of_rank.gather(1, need_rank), col4row)
 
 

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ METRIC_KEYS = {"step", "loss", "images_per_sec", "xla_compiles", "xla_executions
                "xla_aten_fallbacks"}
 
 
-def run_cli(*args: str, devices: int = 4, timeout: int = 900) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, devices: int = 4, timeout: int = 1800) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)}
     return subprocess.run([sys.executable, "-m", "spmd_rfdetr", *args], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=timeout)
@@ -60,9 +61,9 @@ def test_help_documents_every_option() -> None:
     result = run_cli("fit", "--help")
     assert result.returncode == 0, result.stderr
     text = re.sub(r"\s+", " ", result.stdout)
-    for section in dataclasses.fields(RunConfig):
-        for field in dataclasses.fields(section.type if isinstance(section.type, type) else eval(section.type)):
-            option = f"--{section.name}.{field.name}"
+    for section, options in typing.get_type_hints(RunConfig).items():
+        for field in dataclasses.fields(options):
+            option = f"--{section}.{field.name}"
             assert option in text, option
     for option in ("--data.dataset_dir", "--trainer.output_dir", "--trainer.max_steps", "--trainer.log_every"):
         # the field's docstring follows its option in the help
@@ -86,7 +87,7 @@ def fit_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert synth.returncode == 0, synth.stderr
     out = base / "out"
     result = run_cli("fit", "--config", "configs/cpu.yaml", "--data.dataset_dir", str(base / "synth"),
-                     "--trainer.output_dir", str(out), "--trainer.max_steps", "120", "--trainer.log_every", "20")
+                     "--trainer.output_dir", str(out), "--trainer.max_steps", "40", "--trainer.log_every", "10")
     assert result.returncode == 0, result.stderr[-3000:]
     (out / "stderr.txt").write_text(result.stderr)
     return out
@@ -94,14 +95,14 @@ def fit_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_fit_cli_trains_and_writes_outputs(fit_run: Path) -> None:
     records = read_metrics(fit_run)
-    assert [r["step"] for r in records] == [1, 20, 40, 60, 80, 100, 120]
+    assert [r["step"] for r in records] == [1, 10, 20, 30, 40]
     for r in records:
         assert METRIC_KEYS <= set(r), set(r)
     first, last = records[0]["loss"], sum(r["loss"] for r in records[-2:]) / 2
     assert last < 0.8 * first, [r["loss"] for r in records]
     assert (fit_run / "config.yaml").exists() and yaml.safe_load((fit_run / "config.yaml").read_text())
     checkpoint = torch.load(fit_run / "last.pth", map_location="cpu", weights_only=False)
-    assert checkpoint["step"] == 120 and all(t.device.type == "cpu" for t in checkpoint["model"].values())
+    assert checkpoint["step"] == 40 and all(t.device.type == "cpu" for t in checkpoint["model"].values())
     assert "XLA compiled" in (fit_run / "stderr.txt").read_text()
 
 

@@ -7,7 +7,7 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 from spmd_rfdetr.loss import total_loss
-from spmd_rfdetr.metrics import aten_fallbacks
+from spmd_rfdetr.metrics import aten_fallbacks, xla_counters
 from spmd_rfdetr.model import build_optimizer, build_upstream_criterion
 from spmd_rfdetr.step import as_samples
 from spmd_rfdetr.data import targets_list
@@ -91,3 +91,43 @@ def test_bf16_reaches_the_step_hlo(tiny, mesh_trainer):
         assert ("bf16" in hlo) is expect_bf16, precision
         assert all(p.dtype == torch.float32 for p in net.parameters())
         del net, logits  # drop the traced graph unexecuted
+
+
+def test_steady_state_one_graph_no_transfers_no_recompiles(tiny, mesh_trainer):
+    """Issue 'zero host syncs': >= 5 steady-state steps = 5 executions, 0 transfers, 0 compiles, 0 fallbacks."""
+    for i in range(2):  # warm-up: both step graphs (without/with optimizer state) exist
+        mesh_trainer.step(mesh_trainer.to_device(tiny.batches[i]))
+    batches = [mesh_trainer.to_device(b) for b in tiny.batches[:5]]
+    torch_xla.sync()
+    before = xla_counters()
+    outputs = [mesh_trainer.step(b) for b in batches]
+    after = xla_counters()
+    assert after["xla_executions"] - before["xla_executions"] == 5
+    assert after["xla_transfers_to_host"] == before["xla_transfers_to_host"]
+    assert after["xla_compiles"] == before["xla_compiles"]
+    assert after["xla_aten_fallbacks"] == 0
+    stats = mesh_trainer.step.read(outputs[-1])  # a log point: exactly one transfer
+    assert xla_counters()["xla_transfers_to_host"] == after["xla_transfers_to_host"] + 1
+    assert stats["matcher_unconverged"] == 0
+
+
+def test_a_stray_host_sync_in_the_step_fails_loudly(tiny, mesh_trainer):
+    """full_graph=True: an `.item()` inside the step raises instead of silently splitting the graph."""
+    import pytest
+
+    from spmd_rfdetr.step import TrainStep
+
+    class SyncingCriterion(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.matcher, self.weight_dict = inner, inner.matcher, inner.weight_dict
+
+        def forward(self, outputs, targets):
+            losses = self.inner(outputs, targets)
+            float(losses["loss_ce"])  # a host sync
+            return losses
+
+    step = TrainStep(mesh_trainer.model, SyncingCriterion(mesh_trainer.step.criterion), mesh_trainer.optimizer,
+                     clip_max_norm=0.1, full_graph=True)
+    with pytest.raises(RuntimeError):
+        step(mesh_trainer.to_device(tiny.batches[0]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch_xla
+import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 
 from spmd_rfdetr.loss import total_loss
@@ -101,6 +102,7 @@ def test_steady_state_one_graph_no_transfers_no_recompiles(tiny, mesh_trainer):
     torch_xla.sync()
     before = xla_counters()
     outputs = [mesh_trainer.step(b) for b in batches]
+    xm.wait_device_ops()  # executions are counted when they finish; waiting transfers nothing
     after = xla_counters()
     assert after["xla_executions"] - before["xla_executions"] == 5
     assert after["xla_transfers_to_host"] == before["xla_transfers_to_host"]

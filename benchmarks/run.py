@@ -19,7 +19,7 @@ Each side runs in its own subprocess (SPMD is process-global in torch_xla): the 
 
 Both sides train the same model config from the same initial weights (same seed) on the same fixed synthetic batches
 (deterministic random images, 1..T valid random boxes per image), which are put on the device once before timing:
-neither data loading nor the host->device input copy is measured. Both use a constant learning rate (no scheduler).
+neither data loading nor the host->device input copy is measured. Ours steps its device-tensor LR schedule inside the step as `fit` does; upstream keeps a constant learning rate.
 Every step is timed on its own: ``time.perf_counter()`` around the step call and ``xm.wait_device_ops()`` (which
 moves no data to the host), so host time (tracing + dispatch, and for upstream its synchronous matcher round trips)
 and wall time per step are both reported; warm-up steps (where compilation happens) are plotted but not in the
@@ -364,7 +364,8 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from spmd_rfdetr.fabric import spmd_fabric
     from spmd_rfdetr.loss import build_criterion
     from spmd_rfdetr.mesh import build_mesh, data_axis_size
-    from spmd_rfdetr.model import build_model, build_optimizer, build_upstream_criterion, upstream_configs
+    from spmd_rfdetr.model import (
+        DeviceLRSchedule, build_model, build_optimizer, build_upstream_criterion, upstream_configs)
     from spmd_rfdetr.step import TrainStep
 
     cfg = run_config_from_dict(spec["run_config"])
@@ -390,10 +391,12 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
         print(f"[bench] ours: {flops / 1e9:.2f} GFLOP/image ({time.perf_counter() - t:.1f} s)", file=sys.stderr)
 
     criterion = build_criterion(build_upstream_criterion(cfgs)[0], solver="device").train()
-    optimizer = build_optimizer(net, cfgs)
+    optimizer = build_optimizer(net, cfgs, on_device=True)
     net, optimizer = fabric.setup(net, optimizer)
     net.train()
-    step = TrainStep(net, criterion, optimizer, clip_max_norm=cfg.optim.clip_max_norm, full_graph=True)
+    schedule = DeviceLRSchedule(optimizer, cfg.optim, max_steps=1_000_000)  # as `fit` runs it
+    step = TrainStep(net, criterion, optimizer, clip_max_norm=cfg.optim.clip_max_norm, full_graph=True,
+                     schedule=schedule)
     loader = fabric.strategy.process_dataloader(cpu_batches)
     batches = [loader.to_device(b) for b in cpu_batches]
     torch_xla.sync()

@@ -91,16 +91,19 @@ def build_upstream_criterion(cfgs: UpstreamConfigs) -> tuple[SetCriterion, PostP
     return build_criterion_from_config(cfgs.model, cfgs.train)
 
 
-def build_optimizer(net: torch.nn.Module, cfgs: UpstreamConfigs) -> torch.optim.AdamW:
-    """AdamW over rfdetr's parameter groups (backbone layer decay, decoder component decay, no-decay rules)."""
+def build_optimizer(net: torch.nn.Module, cfgs: UpstreamConfigs, *, on_device: bool = False) -> torch.optim.AdamW:
+    """AdamW over rfdetr's parameter groups (backbone layer decay, decoder component decay, no-decay rules).
+
+    ``on_device``: ``capturable`` AdamW (its step count lives on the device), for use with :class:`DeviceLRSchedule`.
+    """
     param_groups = get_param_dict(cfgs.namespace(), net)
-    return torch.optim.AdamW(param_groups, lr=cfgs.train.lr, weight_decay=cfgs.train.weight_decay)
+    return torch.optim.AdamW(param_groups, lr=cfgs.train.lr, weight_decay=cfgs.train.weight_decay, capturable=on_device)
 
 
 def lr_factor(step: int, optim: OptimOptions, max_steps: int) -> float:
     """rfdetr's managed schedule: linear warmup, then cosine to ``min_lr_factor`` or a 10x step drop."""
     if step < optim.warmup_steps:
-        return (step + 1) / (optim.warmup_steps + 1)  # never exactly 0: lr=0 would be an XLA special scalar
+        return (step + 1) / (optim.warmup_steps + 1)  # never exactly 0, unlike upstream's first warmup step
     if optim.schedule == "cosine":
         progress = (step - optim.warmup_steps) / max(1, max_steps - optim.warmup_steps)
         return optim.min_lr_factor + (1 - optim.min_lr_factor) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -109,8 +112,30 @@ def lr_factor(step: int, optim: OptimOptions, max_steps: int) -> float:
     return 1.0
 
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, optim: OptimOptions, max_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """A per-step ``LambdaLR`` over :func:`lr_factor`."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim, max_steps))
+class DeviceLRSchedule:
+    """:func:`lr_factor` written into device-tensor learning rates, stepped inside the compiled training step.
+
+    A Python-float learning rate is baked into the XLA graph: AdamW's ``param.mul_(1 - lr * weight_decay)`` compiled a
+    new graph when that factor stopped rounding to 1.0 in float32 (measured: a recompile at step 16 of the CPU recipe's
+    warmup). Tensor learning rates (with ``capturable`` AdamW) keep one graph for the whole run and are never read back.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, optim: OptimOptions, max_steps: int) -> None:
+        self.optimizer, self.optim, self.max_steps = optimizer, optim, max_steps
+        self.base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
+        self.last_step = 0
+        device = optimizer.param_groups[0]["params"][0].device
+        factor = lr_factor(0, optim, max_steps)
+        for group, base in zip(optimizer.param_groups, self.base_lrs):
+            group["lr"] = torch.tensor(base * factor, dtype=torch.float32, device=device)
+
+    def step(self) -> None:
+        """Advance one optimizer step (an in-place fill: part of the step's graph, no new graph, no host read)."""
+        self.last_step += 1
+        for group, lr in zip(self.optimizer.param_groups, self.get_last_lr()):
+            group["lr"].fill_(lr)
+
+    def get_last_lr(self) -> list[float]:
+        """The learning rates the next optimizer step uses, as Python floats (no device read)."""
+        factor = lr_factor(self.last_step, self.optim, self.max_steps)
+        return [base * factor for base in self.base_lrs]

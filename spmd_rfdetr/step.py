@@ -63,8 +63,9 @@ class TrainStep:
         clip_max_norm: float,
         autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
         full_graph: bool = True,
+        schedule: Any = None,
     ) -> None:
-        self.model, self.criterion, self.optimizer = model, criterion, optimizer
+        self.model, self.criterion, self.optimizer, self.schedule = model, criterion, optimizer, schedule
         self.clip_max_norm = clip_max_norm
         self.autocast = autocast
         self._compiled = torch_xla.compile(self._step, full_graph=full_graph, name="train_step")
@@ -81,6 +82,8 @@ class TrainStep:
         else:
             grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
         self.optimizer.step()
+        if self.schedule is not None:
+            self.schedule.step()  # e.g. DeviceLRSchedule: next step's learning rates, inside this graph
         stats = {"loss": loss.detach(), "grad_norm": grad_norm.detach()}
         stats.update({k: v.detach() for k, v in loss_dict.items() if k in ("loss_ce", "loss_bbox", "loss_giou")})
         unconverged = getattr(self.criterion.matcher, "unconverged", None)

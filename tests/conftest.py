@@ -90,7 +90,7 @@ def mesh_trainer(tiny: Tiny) -> MeshTrainer:
     from spmd_rfdetr.fabric import spmd_fabric
     from spmd_rfdetr.loss import build_criterion
     from spmd_rfdetr.mesh import build_mesh
-    from spmd_rfdetr.model import build_optimizer, build_upstream_criterion
+    from spmd_rfdetr.model import DeviceLRSchedule, build_optimizer, build_upstream_criterion
     from spmd_rfdetr.step import TrainStep
 
     fabric = spmd_fabric(build_mesh(), precision="32-true")
@@ -98,8 +98,10 @@ def mesh_trainer(tiny: Tiny) -> MeshTrainer:
     mask_dtypes: list[torch.dtype] = []
     net.backbone.register_forward_pre_hook(lambda _m, args: mask_dtypes.append(args[0].mask.dtype))
     criterion = build_criterion(build_upstream_criterion(tiny.cfgs)[0], solver="device").train()
-    optimizer = build_optimizer(net, tiny.cfgs)
+    optimizer = build_optimizer(net, tiny.cfgs, on_device=True)
     net, optimizer = fabric.setup(net, optimizer)
-    step = TrainStep(net, criterion, optimizer, clip_max_norm=tiny.cfg.optim.clip_max_norm, full_graph=True)
+    schedule = DeviceLRSchedule(optimizer, tiny.cfg.optim, max_steps=1000)  # as `fit` runs it
+    step = TrainStep(net, criterion, optimizer, clip_max_norm=tiny.cfg.optim.clip_max_norm, full_graph=True,
+                     schedule=schedule)
     loader = fabric.strategy.process_dataloader(torch.utils.data.DataLoader(tiny.batches, batch_size=None))
     return MeshTrainer(fabric, net, optimizer, step, loader.to_device, mask_dtypes)

@@ -108,7 +108,7 @@ def test_fit_cli_trains_and_writes_outputs(fit_run: Path) -> None:
 
 def test_fit_counters_one_graph_per_step_transfers_only_at_log_points(fit_run: Path) -> None:
     records = read_metrics(fit_run)
-    for before, after in zip(records[2:], records[3:]):  # steady state: after the first two log points
+    for before, after in zip(records[1:], records[2:]):  # from step 10 on: no compile after warm-up (2 steps)
         steps = after["step"] - before["step"]
         assert after["xla_compiles"] == before["xla_compiles"], (before, after)
         assert after["xla_executions"] - before["xla_executions"] == steps, (before, after)

@@ -110,6 +110,33 @@ class TrainerOptions:
     """Assignment solver: ``device`` keeps the whole step one XLA graph; ``scipy`` is upstream's host path."""
     progress_bar: bool | None = None
     """Show a progress bar; ``None`` shows it only on a terminal."""
+    compile_backend: Literal["torch_xla", "openxla"] = "torch_xla"
+    """How the training step is compiled: ``torch_xla`` (``torch_xla.compile``, lazy tracing: exact gradients under
+    SPMD). ``openxla`` (``torch.compile(backend="openxla")``) is refused at startup while torch_xla gives stale weight
+    gradients with it under SPMD (pytorch/xla#4824); evaluation always uses ``openxla``, where it is correct."""
+
+
+# --- eval (spmd_rfdetr/evaluate.py) ---------------------------------------------------------------------------------
+@dataclass
+class EvalOptions:
+    """COCO evaluation of a split on the mesh (inside ``fit``, and for ``validate``)."""
+
+    every_steps: int = 0
+    """Inside ``fit``: evaluate every N optimizer steps and after the last one, keeping the best weights by mAP as
+    ``best.pth``; 0 turns evaluation inside ``fit`` off."""
+    split: Literal["valid", "test", "train"] = "valid"
+    """Dataset split to evaluate."""
+    global_batch_size: int | None = None
+    """Images per eval batch over the whole mesh (the last batch is padded to it); ``None`` uses
+    ``data.global_batch_size``. Must divide by the ``data`` mesh axis."""
+    num_select: int | None = None
+    """Detections kept per image (top-k over queries x classes, as rfdetr's PostProcess); ``None`` keeps rfdetr's
+    default for the model (its ``num_select``)."""
+    save_detections: bool = False
+    """Inside ``fit``: also write each evaluation's detections (COCO results JSON) next to its metrics."""
+
+
+# --- end eval ---------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -121,10 +148,20 @@ class RunConfig:
     optim: OptimOptions = field(default_factory=OptimOptions)
     mesh: MeshOptions = field(default_factory=MeshOptions)
     trainer: TrainerOptions = field(default_factory=TrainerOptions)
+    eval: EvalOptions = field(default_factory=EvalOptions)
 
 
 class ConfigError(ValueError):
     """A configuration problem the user can fix; the message lists every problem found."""
+
+
+#: Why ``trainer.compile_backend=openxla`` is refused (tests/test_eval.py checks the bug is still there).
+OPENXLA_TRAINING_REFUSED = (
+    "trainer.compile_backend=openxla is refused: torch.compile(backend='openxla') under SPMD returns stale weight "
+    "gradients from the second step on (torch_xla 2.9, pytorch/xla#4824; the repro is tests/test_eval.py::"
+    "test_openxla_training_still_wrong_and_fit_refuses_it). Use trainer.compile_backend=torch_xla (exact gradients); "
+    "evaluation already uses openxla, where inference is correct."
+)
 
 
 def data_axis(cfg: RunConfig, device_count: int) -> int:
@@ -162,5 +199,20 @@ def validate(cfg: RunConfig, device_count: int | None = None) -> None:
                 f"data.global_batch_size={d.global_batch_size} does not divide by the data axis ({axis} devices): "
                 f"use a multiple of {axis}, e.g. {axis * max(1, round(d.global_batch_size / axis))}"
             )
+    # --- eval / compile backend checks (spmd_rfdetr/evaluate.py) ---
+    if t.compile_backend == "openxla":
+        problems.append(OPENXLA_TRAINING_REFUSED)
+    e = cfg.eval
+    if e.every_steps < 0:
+        problems.append(f"eval.every_steps={e.every_steps} must be >= 0 (0 = no evaluation inside fit)")
+    if e.num_select is not None and e.num_select < 1:
+        problems.append(f"eval.num_select={e.num_select} must be >= 1")
+    if e.global_batch_size is not None and e.global_batch_size < 1:
+        problems.append(f"eval.global_batch_size={e.global_batch_size} must be >= 1")
+    elif e.global_batch_size is not None and device_count is not None:
+        axis = data_axis(cfg, device_count)
+        if axis >= 1 and e.global_batch_size % axis:
+            problems.append(f"eval.global_batch_size={e.global_batch_size} does not divide by the data axis ({axis} devices)")
+    # --- end eval ---
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))

@@ -42,8 +42,8 @@ def fit(cfg: RunConfig) -> Path:
     from spmd_rfdetr.metrics import MetricsLog
     from spmd_rfdetr.model import (
         build_model,
+        DeviceLRSchedule,
         build_optimizer,
-        build_scheduler,
         build_upstream_criterion,
         upstream_configs,
     )
@@ -64,37 +64,49 @@ def fit(cfg: RunConfig) -> Path:
     net = build_model(cfgs)
     criterion = build_criterion(build_upstream_criterion(cfgs)[0], solver=t.matcher)
     criterion.train()
-    optimizer = build_optimizer(net, cfgs)
+    optimizer = build_optimizer(net, cfgs, on_device=True)
     net, optimizer = fabric.setup(net, optimizer)
     net.train()
-    scheduler = build_scheduler(optimizer, cfg.optim, t.max_steps)
+    schedule = DeviceLRSchedule(optimizer, cfg.optim, t.max_steps)
     step_fn = TrainStep(
-        net, criterion, optimizer, clip_max_norm=cfg.optim.clip_max_norm, full_graph=t.matcher == "device"
+        net, criterion, optimizer, clip_max_norm=cfg.optim.clip_max_norm, full_graph=t.matcher == "device",
+        schedule=schedule,
     )
 
     resolved = dataclasses.asdict(cfg)
     resolved["model"]["num_classes"] = num_classes
     (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     metrics = MetricsLog(out, t.max_steps, t.progress_bar)
+    # --- eval inside fit (spmd_rfdetr/evaluate.py): every eval.every_steps steps and at the end; best.pth by mAP ---
+    from spmd_rfdetr.evaluate import fit_evaluation
+
+    evaluation = fit_evaluation(cfg, cfgs, net, fabric)
+    # --- end eval ---
     batches = forever(loader)
     window_start, window_steps = time.perf_counter(), 0
     for step in range(1, t.max_steps + 1):
         stats = step_fn(next(batches))
-        scheduler.step()
         window_steps += 1
         metrics.after_step(step)
-        if step == 1 or step % t.log_every == 0 or step == t.max_steps:
+        eval_now = evaluation is not None and evaluation.due(step, t.max_steps)  # an eval step is also a log point
+        if step == 1 or step % t.log_every == 0 or step == t.max_steps or eval_now:
             values = step_fn.read(stats)
             elapsed = time.perf_counter() - window_start
-            metrics.write(
-                {
-                    "step": step,
-                    **values,
-                    "lr": scheduler.get_last_lr()[0],
-                    "images_per_sec": window_steps * d.global_batch_size / elapsed,
-                    "step_time_s": elapsed / window_steps,
-                }
-            )
+            record = {
+                "step": step,
+                **values,
+                "lr": schedule.get_last_lr()[0],
+                "images_per_sec": window_steps * d.global_batch_size / elapsed,
+                "step_time_s": elapsed / window_steps,
+            }
+            # --- eval inside fit ---
+            if eval_now:
+                record.update(evaluation(step))
+                if evaluation.improved:
+                    fabric.save(out / "best.pth", {"model": net, "optimizer": optimizer, "step": step, "config": resolved})
+                    log.info("saved %s (eval/mAP %.4f)", out / "best.pth", evaluation.best_map)
+            # --- end eval ---
+            metrics.write(record)
             window_start, window_steps = time.perf_counter(), 0
 
     checkpoint = out / "last.pth"

@@ -1,0 +1,621 @@
+"""Evaluation and prediction on the mesh: static-shape batches, one compiled eval graph, COCO mAP on the host.
+
+The device part is ONE program per batch shape, compiled with ``torch.compile(backend="openxla")`` (correct for
+inference under SPMD; training keeps ``torch_xla.compile``): rfdetr's model forward in eval mode, then rfdetr's own
+``PostProcess`` box logic (sigmoid, top-k over queries x classes with its stable tie rule, cxcywh -> absolute xyxy at
+the ORIGINAL image size, clamped), packed into one ``[B, K, 6]`` tensor ``(score, label, x0, y0, x1, y1)``. The batch
+is sharded on the ``data`` axis; the last partial batch is padded to the full global batch with blank images that are
+marked ``real=False`` on the host and never reach the metrics. Results leave the device once per batch (one transfer
+of that tensor, fetched while the next batch runs).
+
+On the host, detections become COCO results (``image_id``, the dataset's real ``category_id`` via its ``label2cat``,
+``bbox`` xywh in pixels, ``score``) and pycocotools' ``COCOeval`` scores them: AP, AP50, AP75, APs/m/l, AR@1/10/100,
+ARs/m/l and a per-class AP table.
+
+Under SPMD there is one process and the predictions are global tensors: no pickled ``all_gather``, no device probing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import inspect
+import io
+import json
+import logging
+import math
+import types
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ContextManager
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from spmd_rfdetr.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+#: Columns of a packed detection row.
+SCORE, LABEL, BOXES = 0, 1, slice(2, 6)
+#: ``eval/...`` keys of :attr:`CocoMetrics.stats`, in pycocotools' ``COCOeval.stats`` order.
+STAT_NAMES = ("mAP", "mAP50", "mAP75", "mAP_small", "mAP_medium", "mAP_large",
+              "AR1", "AR10", "AR100", "AR_small", "AR_medium", "AR_large")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Device side: one compiled forward + post-processing
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _traceable_pos_encoding(model: torch.nn.Module) -> Iterator[None]:
+    """Let dynamo trace rfdetr's DINOv2 ``interpolate_pos_encoding`` while the compiled eval runs.
+
+    rfdetr marks it ``@torch.compiler.disable`` because its antialiased bicubic *backward* rejects symbolic sizes in
+    AOT tracing. Eval is forward-only with static sizes, and the graph break would split the eval forward into several
+    XLA programs with a host round trip between them. The same (undecorated) function is bound on the instances for
+    the duration of the call only, so training and eager use are untouched.
+    """
+    from rfdetr.models.backbone.dinov2_with_windowed_attn import WindowedDinov2WithRegistersEmbeddings as Embeddings
+
+    plain = inspect.unwrap(Embeddings.interpolate_pos_encoding)
+    patched = []
+    for module in model.modules():
+        if isinstance(module, Embeddings):
+            bound = module.__dict__.get("_spmd_rfdetr_pos_encoding")
+            if bound is None:  # one bound object per module: dynamo's guards see the same object every call
+                bound = module.__dict__["_spmd_rfdetr_pos_encoding"] = types.MethodType(plain, module)
+            module.__dict__["interpolate_pos_encoding"] = bound
+            patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            module.__dict__.pop("interpolate_pos_encoding", None)
+
+
+def replicate_unannotated(model: torch.nn.Module, mesh: Any) -> int:
+    """Annotate every unannotated XLA parameter and buffer of ``model`` as replicated over ``mesh``; returns how many.
+
+    They are replicated already (an unannotated tensor is), but the first openxla execution annotates its inputs
+    ``{replicated}`` explicitly, and that changes the hash of the training step's graph: without this, the first eval
+    inside ``fit`` costs one extra compile of the training step. Call it before the training step first compiles.
+    """
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    count = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type == "xla" and tensor.dim() and not torch_xla._XLAC._get_xla_sharding_spec(tensor):
+            xs.mark_sharding(tensor, mesh, (None,) * tensor.dim())
+            count += 1
+    return count
+
+
+class EvalForward:
+    """rfdetr forward + PostProcess (box path) as one ``torch.compile(backend="openxla")`` program.
+
+    Args:
+        model: rfdetr's LWDETR on the XLA device (parameters replicated); a Fabric-wrapped module is unwrapped.
+        num_select: detections kept per image (rfdetr's ``num_select``).
+        autocast: context for the model forward (e.g. Fabric's bf16 autocast); post-processing runs in fp32.
+
+    Calling it with sharded ``images [B,3,R,R]`` and ``orig_size [B,2]`` (h, w) returns a ``[B, num_select, 6]`` device
+    tensor of ``(score, label, x0, y0, x1, y1)`` rows, best first, boxes in pixels of the original image.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_select: int,
+        autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        from rfdetr.models.postprocess import PostProcess
+
+        self.model = getattr(model, "_forward_module", model)  # lightning's _FabricModule -> the real module
+        self.postprocess = PostProcess(num_select=num_select)
+        self.autocast = autocast
+        self._compiled = torch.compile(self._forward, backend="openxla", fullgraph=True, dynamic=False)
+
+    def _forward(self, images: torch.Tensor, orig_size: torch.Tensor) -> torch.Tensor:
+        from spmd_rfdetr.step import as_samples
+
+        with self.autocast():
+            outputs = self.model(as_samples(images))
+        logits, boxes = outputs["pred_logits"].float(), outputs["pred_boxes"].float()
+        # rfdetr's own PostProcess steps (box-only path), batched: no per-image Python lists on the device.
+        scores, labels, queries = self.postprocess._select_topk(logits)
+        xyxy = self.postprocess._gather_and_scale_boxes(boxes, queries, orig_size)
+        return torch.cat([scores.unsqueeze(-1), labels.unsqueeze(-1).to(scores.dtype), xyxy], dim=-1)
+
+    def __call__(self, images: torch.Tensor, orig_size: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), _traceable_pos_encoding(self.model):
+            return self._compiled(images, orig_size)
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        """Put the model in eval mode for a pass and restore its previous mode after (fit continues training)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(was_training)
+
+
+def reference_postprocess(outputs: dict[str, torch.Tensor], orig_size: torch.Tensor, num_select: int) -> torch.Tensor:
+    """Upstream rfdetr's ``PostProcess`` module itself (eager), packed like :class:`EvalForward`'s output."""
+    from rfdetr.models.postprocess import PostProcess
+
+    results = PostProcess(num_select=num_select)(outputs, orig_size)
+    return torch.stack(
+        [torch.cat([r["scores"][:, None], r["labels"][:, None].to(r["scores"].dtype), r["boxes"]], dim=-1)
+         for r in results]
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Static batches
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class EvalCollate:
+    """Batch ``(image, target)`` samples to a FIXED ``global_batch_size``: the last partial batch is padded.
+
+    Returns ``images`` [B,3,R,R], ``orig_size`` [B,2] (h, w), ``image_id`` [B] (-1 for padding) and ``real`` [B] bool.
+    Padding rows are blank images of size (R, R): they run through the same compiled graph and are dropped on the
+    host before anything is scored.
+    """
+
+    def __init__(self, global_batch_size: int, resolution: int) -> None:
+        self.global_batch_size = global_batch_size
+        self.resolution = resolution
+
+    def __call__(self, samples: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+        r, n, b = self.resolution, len(samples), self.global_batch_size
+        for image, target in samples:
+            if tuple(image.shape) != (3, r, r):
+                raise ValueError(
+                    f"image_id {int(target['image_id'])}: transformed to {tuple(image.shape)}, expected {(3, r, r)}; "
+                    "static eval batches need one resolution"
+                )
+        images = torch.zeros(b, 3, r, r, dtype=torch.float32)
+        orig_size = torch.full((b, 2), r, dtype=torch.int64)
+        image_id = torch.full((b,), -1, dtype=torch.int64)
+        for i, (image, target) in enumerate(samples):
+            images[i] = image
+            orig_size[i] = target["orig_size"].to(torch.int64)
+            image_id[i] = int(target["image_id"].reshape(()))
+        return {"images": images, "orig_size": orig_size, "image_id": image_id, "real": torch.arange(b) < n}
+
+
+def eval_loader(dataset: Dataset[Any], global_batch_size: int, resolution: int, num_workers: int = 0) -> DataLoader:
+    """Sequential loader of padded static batches (every batch has ``global_batch_size`` rows)."""
+    return DataLoader(
+        dataset,
+        batch_size=global_batch_size,
+        shuffle=False,
+        drop_last=False,
+        num_workers=num_workers,
+        collate_fn=EvalCollate(global_batch_size, resolution),
+        persistent_workers=num_workers > 0,
+    )
+
+
+class ImageFolder(Dataset):  # type: ignore[type-arg]
+    """The images of a folder, decoded and transformed exactly like an eval split (rfdetr's decoder and val transforms).
+
+    Image ids come from the folder's ``_annotations.coco.json`` when it has one (so predictions line up with that
+    split's ground truth), otherwise they are positions in the sorted file list.
+    """
+
+    def __init__(self, folder: str | Path, transforms: Any) -> None:
+        from rfdetr.datasets.coco import ConvertCoco
+
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise FileNotFoundError(f"--images {folder}: not a directory")
+        self.files = sorted(p.name for p in self.folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        if not self.files:
+            raise FileNotFoundError(f"--images {folder}: no images ({', '.join(IMAGE_SUFFIXES)})")
+        annotations = self.folder / "_annotations.coco.json"
+        ids: dict[str, int] = {}
+        if annotations.exists():
+            ids = {im["file_name"]: int(im["id"]) for im in json.loads(annotations.read_text())["images"]}
+        self.ids = [ids.get(name, -1) for name in self.files] if ids else list(range(len(self.files)))
+        if -1 in self.ids:
+            missing = [n for n, i in zip(self.files, self.ids) if i == -1]
+            raise ValueError(f"{annotations} does not list {len(missing)} image(s) of the folder, e.g. {missing[0]}")
+        self.transforms = transforms
+        self.prepare = ConvertCoco()
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        from rfdetr.datasets.io_utils import decode_pil_image
+
+        image, _ = decode_pil_image(self.folder / self.files[index])  # full-size decode, as eval splits do
+        image, target = self.prepare(image, {"image_id": self.ids[index], "annotations": []})
+        return self.transforms(image, target)
+
+    def images_json(self) -> list[dict[str, Any]]:
+        """``[{"id", "file_name"}]`` for the folder (written next to the predictions)."""
+        return [{"id": i, "file_name": n} for i, n in zip(self.ids, self.files)]
+
+
+def eval_transforms(cfgs: Any) -> Any:
+    """The val-split transform pipeline rfdetr's dataset readers use for this model (resize + normalize)."""
+    from rfdetr.datasets.coco import make_coco_transforms, make_coco_transforms_square_div_64
+
+    ns = cfgs.namespace()
+    make = make_coco_transforms_square_div_64 if ns.square_resize_div_64 else make_coco_transforms
+    return make("val", cfgs.model.resolution, patch_size=ns.patch_size, num_windows=ns.num_windows)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Running batches and COCO metrics
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def detections_to_coco(
+    rows: np.ndarray, image_ids: Iterable[int], label2cat: dict[int, int] | None
+) -> list[dict[str, Any]]:
+    """COCO results from packed rows ``[N, K, 6]`` of real images, like rfdetr's ``CocoEvaluator.prepare``.
+
+    ``label2cat`` maps rfdetr's label index back to the dataset's COCO ``category_id``; labels it does not map (e.g.
+    rfdetr's extra "no object" logit) are dropped, as upstream does. ``None`` keeps label indices as ids.
+    """
+    results = []
+    for image_rows, image_id in zip(rows, image_ids):
+        boxes = image_rows[:, BOXES].astype(np.float32, copy=True)
+        boxes[:, 2:] -= boxes[:, :2]  # xyxy -> xywh, in float32 like upstream's _xyxy_to_xywh
+        scores, labels = image_rows[:, SCORE].tolist(), image_rows[:, LABEL].astype(np.int64).tolist()
+        for box, score, label in zip(boxes.tolist(), scores, labels):
+            category = label if label2cat is None else label2cat.get(label)
+            if category is not None:
+                results.append({"image_id": int(image_id), "category_id": int(category), "bbox": box, "score": score})
+    return results
+
+
+def run_detection(
+    forward: EvalForward,
+    loader: Iterable[dict[str, torch.Tensor]],
+    to_device: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Run every batch through the compiled forward; returns (rows ``[N, K, 6]``, image ids ``[N]``) of real images.
+
+    Each batch's result is fetched (one device->host transfer) after the next batch has been dispatched.
+    """
+    rows: list[np.ndarray] = []
+    ids: list[np.ndarray] = []
+    pending: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
+
+    def collect(out: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
+        real = batch["real"].numpy()
+        rows.append(out.cpu().numpy()[real])
+        ids.append(batch["image_id"].numpy()[real])
+
+    with forward.eval_mode():
+        for batch in loader:
+            device_batch = to_device({"images": batch["images"], "orig_size": batch["orig_size"]})
+            out = forward(device_batch["images"], device_batch["orig_size"])
+            if pending is not None:
+                collect(*pending)
+            pending = (out, batch)
+        if pending is not None:
+            collect(*pending)
+    if not rows:
+        return np.zeros((0, 0, 6), np.float32), np.zeros((0,), np.int64)
+    return np.concatenate(rows), np.concatenate(ids)
+
+
+@dataclass
+class CocoMetrics:
+    """pycocotools' bbox summary (``stats``, keys of :data:`STAT_NAMES`) and per-class AP."""
+
+    stats: dict[str, float]
+    per_class: list[dict[str, Any]]
+    num_images: int
+    num_detections: int
+
+    def record(self, prefix: str = "eval/") -> dict[str, float]:
+        """Flat ``{"eval/mAP": ...}`` for ``metrics.jsonl``."""
+        return {f"{prefix}{k}": v for k, v in self.stats.items()}
+
+    def table(self) -> str:
+        """The summary and the per-class table, as printed."""
+        head = "  ".join(f"{k} {v:.4f}" for k, v in self.stats.items())
+        lines = [f"COCO bbox ({self.num_images} images, {self.num_detections} detections): {head}",
+                 f"{'class':<20} {'id':>5} {'AP':>7} {'AP50':>7} {'AP75':>7} {'gt':>6}"]
+        for row in self.per_class:
+            lines.append(f"{row['name']:<20} {row['category_id']:>5} {row['AP']:>7.4f} {row['AP50']:>7.4f} "
+                         f"{row['AP75']:>7.4f} {row['num_gt']:>6}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _mean_valid(values: np.ndarray) -> float:
+    valid = values[values > -1]
+    return float(valid.mean()) if valid.size else -1.0
+
+
+def coco_metrics(coco_gt: Any, results: list[dict[str, Any]], image_ids: Iterable[int]) -> CocoMetrics:
+    """Score COCO results against ``coco_gt`` on ``image_ids`` with pycocotools (maxDets 1/10/100)."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    gt = coco_gt
+    if type(gt) is not COCO:  # e.g. faster-coco-eval's COCO: rebuild a pycocotools one
+        gt = COCO()
+        gt.dataset = copy.deepcopy(coco_gt.dataset)
+        with contextlib.redirect_stdout(io.StringIO()):
+            gt.createIndex()
+    img_ids = sorted({int(i) for i in image_ids})
+    with contextlib.redirect_stdout(io.StringIO()):
+        dt = gt.loadRes([dict(r) for r in results]) if results else _empty_results(gt)  # loadRes adds keys
+        evaluator = COCOeval(gt, dt, iouType="bbox")
+        evaluator.params.imgIds = img_ids
+        evaluator.evaluate()
+        evaluator.accumulate()
+        evaluator.summarize()
+    stats = {name: float(v) for name, v in zip(STAT_NAMES, evaluator.stats)}
+    precision = evaluator.eval["precision"]  # [iou T, recall R, class K, area A, maxDets M]
+    gt_counts: dict[int, int] = {}
+    for image_id in img_ids:
+        for ann in gt.imgToAnns.get(image_id, []):
+            if not ann.get("iscrowd", 0):
+                gt_counts[ann["category_id"]] = gt_counts.get(ann["category_id"], 0) + 1
+    per_class = []
+    for k, category_id in enumerate(evaluator.params.catIds):
+        if category_id not in gt_counts and not any(r["category_id"] == category_id for r in results):
+            continue  # e.g. a Roboflow root category: never annotated, never predicted
+        p = precision[:, :, k, 0, -1]
+        per_class.append({
+            "category_id": int(category_id),
+            "name": str(gt.cats[category_id].get("name", category_id)),
+            "AP": _mean_valid(p),
+            "AP50": _mean_valid(p[0]),
+            "AP75": _mean_valid(p[5]),
+            "num_gt": gt_counts.get(category_id, 0),
+        })
+    return CocoMetrics(stats, per_class, len(img_ids), len(results))
+
+
+def _empty_results(gt: Any) -> Any:
+    from pycocotools.coco import COCO
+
+    dt = COCO()
+    dt.dataset = {"images": copy.deepcopy(gt.dataset["images"]), "categories": copy.deepcopy(gt.dataset["categories"]),
+                  "annotations": []}
+    dt.createIndex()
+    return dt
+
+
+def label2cat_of(dataset: Dataset[Any]) -> dict[int, int] | None:
+    """rfdetr's label index -> COCO category_id mapping of a dataset split (``None``: labels are category ids)."""
+    from rfdetr.datasets import get_coco_api_from_dataset
+
+    coco = get_coco_api_from_dataset(dataset)
+    mapping = getattr(coco, "label2cat", None)
+    return {int(k): int(v) for k, v in mapping.items()} if mapping is not None else None
+
+
+def label2cat_for(dataset_dir: str) -> dict[int, int] | None:
+    """The train split's label -> category_id mapping of a Roboflow COCO dataset (what training used), if readable."""
+    from rfdetr.datasets.coco import _train_split_cat2label
+
+    cat2label = _train_split_cat2label(Path(dataset_dir)) if Path(dataset_dir).is_dir() else None
+    return {label: cat for cat, label in cat2label.items()} if cat2label else None
+
+
+@dataclass
+class EvalResult:
+    """One evaluation: the metrics, the COCO results behind them and the device-side counts."""
+
+    metrics: CocoMetrics
+    detections: list[dict[str, Any]]
+    image_ids: list[int]
+    batches: int = 0
+
+
+class Evaluator:
+    """COCO evaluation of one dataset split on the mesh, reusable (e.g. every N steps inside ``fit``).
+
+    Args:
+        model: rfdetr's model on the XLA device (may be the one being trained; its mode is restored after a pass).
+        dataset: an rfdetr dataset split (``CocoDetection``/``YoloDetection`` or a ``Subset`` of one).
+        mesh: the SPMD mesh; batches are sharded on its batch axes.
+        global_batch_size: images per eval batch (the last one padded to it).
+        resolution: the model's input resolution.
+        num_select: detections per image (rfdetr's ``num_select``).
+        autocast: forward context (Fabric's precision), see :class:`EvalForward`.
+        num_workers: DataLoader workers.
+    """
+
+    def __init__(self, model: torch.nn.Module, dataset: Dataset[Any], *, mesh: Any, global_batch_size: int,
+                 resolution: int, num_select: int, autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+                 num_workers: int = 0) -> None:
+        from rfdetr.datasets import get_coco_api_from_dataset
+
+        self.dataset = dataset
+        self.coco_gt = get_coco_api_from_dataset(dataset)
+        if self.coco_gt is None:
+            raise ValueError(f"{type(dataset).__name__} has no COCO ground truth to evaluate against")
+        self.label2cat = label2cat_of(dataset)
+        self.forward = EvalForward(model, num_select, autocast)
+        replicate_unannotated(self.forward.model, mesh)
+        self.loader = eval_loader(dataset, global_batch_size, resolution, num_workers)
+        self.to_device = device_sender(mesh)
+
+    def detect(self) -> tuple[list[dict[str, Any]], list[int], int]:
+        """COCO results of every image of the split, their image ids and the batch count."""
+        rows, ids = run_detection(self.forward, self.loader, self.to_device)
+        return detections_to_coco(rows, ids, self.label2cat), ids.tolist(), len(self.loader)
+
+    def run(self) -> EvalResult:
+        """Detect on the whole split, then score with COCOeval (host, process 0)."""
+        detections, ids, batches = self.detect()
+        return EvalResult(coco_metrics(self.coco_gt, detections, ids), detections, ids, batches)
+
+
+def device_sender(mesh: Any) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """Host batch -> XLA tensors sharded on dim 0 over the mesh's batch axes (the training loader's own transfer)."""
+    import torch_xla
+
+    from spmd_rfdetr.fabric import SPMDDataLoader
+
+    return SPMDDataLoader([], mesh, torch_xla.device()).to_device
+
+
+def save_result(result: EvalResult, output_dir: str | Path, *, detections: bool = True, stem: str = "") -> Path:
+    """Write ``{stem}coco_eval.json`` (summary + per-class AP) and, optionally, ``{stem}detections.json``."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}coco_eval.json").write_text(json.dumps(result.metrics.to_json(), indent=1))
+    if detections:
+        (out / f"{stem}detections.json").write_text(json.dumps(result.detections))
+    return out / f"{stem}coco_eval.json"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# fit: periodic evaluation + best checkpoint
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FitEvaluation:
+    """Evaluation inside ``fit`` every ``eval.every_steps`` steps and after the last one; tracks the best mAP."""
+
+    evaluator: Evaluator
+    every_steps: int
+    output_dir: Path
+    save_detections: bool = False
+    best_map: float = -math.inf
+    improved: bool = False
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    def due(self, step: int, max_steps: int) -> bool:
+        """Whether ``step`` is an evaluation step."""
+        return self.every_steps > 0 and (step % self.every_steps == 0 or step == max_steps)
+
+    def __call__(self, step: int) -> dict[str, float]:
+        """Evaluate now; returns the ``eval/*`` record and sets :attr:`improved` (save ``best.pth`` when True)."""
+        result = self.evaluator.run()
+        stem = f"step{step:07d}_"
+        save_result(result, self.output_dir / "eval", detections=self.save_detections, stem=stem)
+        print(f"eval at step {step}:\n{result.metrics.table()}", flush=True)
+        record = result.metrics.record()
+        self.improved = record["eval/mAP"] > self.best_map
+        if self.improved:
+            self.best_map = record["eval/mAP"]
+        record["eval/best_mAP"] = self.best_map
+        self.history.append({"step": step, **record})
+        return record
+
+
+def fit_evaluation(cfg: RunConfig, cfgs: Any, model: torch.nn.Module, fabric: Any) -> FitEvaluation | None:
+    """The periodic evaluation ``fit`` runs (``None`` when ``eval.every_steps`` is 0); build it before the first step."""
+    if cfg.eval.every_steps <= 0:
+        return None
+    from spmd_rfdetr.data import build_split
+
+    dataset = build_split(cfgs, cfg.eval.split)
+    evaluator = Evaluator(
+        model, dataset, mesh=fabric.strategy.mesh,
+        global_batch_size=cfg.eval.global_batch_size or cfg.data.global_batch_size,
+        resolution=cfgs.model.resolution, num_select=cfg.eval.num_select or cfgs.model.num_select,
+        autocast=fabric.strategy.precision.forward_context, num_workers=cfg.data.num_workers,
+    )
+    return FitEvaluation(evaluator, cfg.eval.every_steps, Path(cfg.trainer.output_dir), cfg.eval.save_detections)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# validate / predict (CLI verbs)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _load_for_inference(cfg: RunConfig, checkpoint: str) -> tuple[Any, Any, torch.nn.Module]:
+    """Runtime + Fabric + rfdetr model with the checkpoint's weights, on the mesh: (fabric, upstream configs, model)."""
+    from spmd_rfdetr.config import validate as validate_config
+    from spmd_rfdetr.loop import PRECISIONS, setup_runtime
+
+    setup_runtime(cfg.mesh)
+    import torch_xla.runtime as xr
+
+    validate_config(cfg, xr.global_runtime_device_count())
+    from spmd_rfdetr.data import num_classes_in
+    from spmd_rfdetr.fabric import spmd_fabric
+    from spmd_rfdetr.mesh import build_mesh
+    from spmd_rfdetr.model import build_model, upstream_configs
+
+    path = Path(checkpoint)
+    if not path.is_file():
+        raise FileNotFoundError(f"--checkpoint {checkpoint}: no such file")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    saved = state.get("config") or {} if isinstance(state, dict) else {}
+    weights = state["model"] if isinstance(state, dict) and "model" in state else state
+    num_classes = (cfg.model.num_classes or (saved.get("model") or {}).get("num_classes")
+                   or num_classes_in(cfg.data.dataset_dir))
+    fabric = spmd_fabric(build_mesh(cfg.mesh.data), precision=PRECISIONS[cfg.trainer.precision])
+    cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, num_classes)
+    net = build_model(cfgs)
+    net.load_state_dict(weights)
+    net = fabric.setup_module(net.eval())
+    return fabric, cfgs, net
+
+
+def validate(cfg: RunConfig, checkpoint: str, output_dir: str | None = None) -> EvalResult:
+    """COCO-evaluate ``checkpoint`` on ``eval.split``; writes ``coco_eval.json`` + ``detections.json``.
+
+    ``output_dir`` defaults to ``<checkpoint dir>/eval_<checkpoint stem>_<split>``.
+    """
+    from spmd_rfdetr.data import build_split
+
+    fabric, cfgs, net = _load_for_inference(cfg, checkpoint)
+    evaluator = Evaluator(
+        net, build_split(cfgs, cfg.eval.split), mesh=fabric.strategy.mesh,
+        global_batch_size=cfg.eval.global_batch_size or cfg.data.global_batch_size,
+        resolution=cfgs.model.resolution, num_select=cfg.eval.num_select or cfgs.model.num_select,
+        autocast=fabric.strategy.precision.forward_context, num_workers=cfg.data.num_workers,
+    )
+    result = evaluator.run()
+    out = Path(output_dir) if output_dir else Path(checkpoint).parent / f"eval_{Path(checkpoint).stem}_{cfg.eval.split}"
+    summary = save_result(result, out)
+    print(result.metrics.table(), flush=True)
+    log.info("wrote %s and %s", summary, out / "detections.json")
+    return result
+
+
+def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
+    """Detect on every image of the folder ``images``; writes COCO results to ``output`` (+ ``.images.json``).
+
+    Category ids are the dataset's (``data.dataset_dir``'s train split label mapping, as in training); boxes are
+    ``[x, y, w, h]`` in pixels of each original image; ``num_select`` detections per image, no score threshold.
+    """
+    fabric, cfgs, net = _load_for_inference(cfg, checkpoint)
+    folder = ImageFolder(images, eval_transforms(cfgs))
+    label2cat = label2cat_for(cfg.data.dataset_dir)
+    if label2cat is None:
+        log.warning("%s has no readable train/_annotations.coco.json: category_id is the label index",
+                    cfg.data.dataset_dir)
+    forward = EvalForward(net, cfg.eval.num_select or cfgs.model.num_select,
+                          fabric.strategy.precision.forward_context)
+    replicate_unannotated(forward.model, fabric.strategy.mesh)
+    loader = eval_loader(folder, cfg.eval.global_batch_size or cfg.data.global_batch_size, cfgs.model.resolution,
+                         cfg.data.num_workers)
+    rows, ids = run_detection(forward, loader, device_sender(fabric.strategy.mesh))
+    results = detections_to_coco(rows, ids, label2cat)
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results))
+    out.with_suffix(".images.json").write_text(json.dumps(folder.images_json()))
+    print(f"predict: {len(folder)} images, {len(results)} detections -> {out}", flush=True)
+    return out

@@ -43,7 +43,6 @@ def fit(
     return loop.fit(RunConfig(model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval))
 
 
-# --- eval verbs (spmd_rfdetr/evaluate.py) ----------------------------------------------------------------------------
 def validate(
     checkpoint: str,
     output_dir: str | None = None,
@@ -104,7 +103,6 @@ def predict(
     return evaluate.predict(cfg, checkpoint, images, output)
 
 
-# --- end eval verbs ---------------------------------------------------------------------------------------------------
 
 
 def main(args: list[str] | None = None) -> None:

@@ -116,7 +116,6 @@ class TrainerOptions:
     gradients with it under SPMD (pytorch/xla#4824); evaluation always uses ``openxla``, where it is correct."""
 
 
-# --- eval (spmd_rfdetr/evaluate.py) ---------------------------------------------------------------------------------
 @dataclass
 class EvalOptions:
     """COCO evaluation of a split on the mesh (inside ``fit``, and for ``validate``)."""
@@ -136,7 +135,6 @@ class EvalOptions:
     """Inside ``fit``: also write each evaluation's detections (COCO results JSON) next to its metrics."""
 
 
-# --- end eval ---------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -199,7 +197,6 @@ def validate(cfg: RunConfig, device_count: int | None = None) -> None:
                 f"data.global_batch_size={d.global_batch_size} does not divide by the data axis ({axis} devices): "
                 f"use a multiple of {axis}, e.g. {axis * max(1, round(d.global_batch_size / axis))}"
             )
-    # --- eval / compile backend checks (spmd_rfdetr/evaluate.py) ---
     if t.compile_backend == "openxla":
         problems.append(OPENXLA_TRAINING_REFUSED)
     e = cfg.eval
@@ -212,7 +209,8 @@ def validate(cfg: RunConfig, device_count: int | None = None) -> None:
     elif e.global_batch_size is not None and device_count is not None:
         axis = data_axis(cfg, device_count)
         if axis >= 1 and e.global_batch_size % axis:
-            problems.append(f"eval.global_batch_size={e.global_batch_size} does not divide by the data axis ({axis} devices)")
-    # --- end eval ---
+            problems.append(
+                f"eval.global_batch_size={e.global_batch_size} does not divide by the data axis ({axis} devices)"
+            )
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))

@@ -171,6 +171,21 @@ class SPMDDataLoader:
         return xm.send_cpu_data_to_device(tensor.cpu().as_subclass(Tensor), self.device, spec)[0]
 
 
+def replicate_parameters(module: Module, mesh: xs.Mesh) -> int:
+    """Annotate every unannotated XLA parameter and buffer of ``module`` replicated over ``mesh``; returns how many.
+
+    An unannotated tensor is replicated already, but the first ``torch.compile(backend="openxla")`` execution (eval)
+    annotates its inputs ``{replicated}`` explicitly, which changes the hash of the training step's graph: the first
+    step after an in-fit eval would compile the step again. Annotating up front keeps one training graph.
+    """
+    count = 0
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.device.type == "xla" and tensor.dim() and not torch_xla._XLAC._get_xla_sharding_spec(tensor):
+            xs.mark_sharding(tensor, mesh, (None,) * tensor.dim())
+            count += 1
+    return count
+
+
 class SPMDStrategy(XLAStrategy):
     """One process, every device of ``mesh``: no launcher, world_size 1, rank 0.
 
@@ -241,7 +256,8 @@ class SPMDStrategy(XLAStrategy):
         self.accelerator.setup_device(self.root_device)
 
     def setup_module(self, module: Module) -> Module:
-        """Parameters were moved by ``module_to_device``: unannotated XLA tensors are replicated on the mesh."""
+        """Parameters were moved by ``module_to_device``; annotate them replicated on the mesh (see below)."""
+        replicate_parameters(module, self.mesh)
         return module
 
     def process_dataloader(self, dataloader: DataLoader) -> SPMDDataLoader:

@@ -35,6 +35,7 @@ def fit(cfg: RunConfig) -> Path:
 
     validate(cfg, xr.global_runtime_device_count())
 
+    from spmd_rfdetr.evaluate import fit_evaluation
     from spmd_rfdetr.data import build_split, check_overflow, forever, make_loader, num_classes_in
     from spmd_rfdetr.fabric import spmd_fabric
     from spmd_rfdetr.loss import build_criterion
@@ -77,11 +78,7 @@ def fit(cfg: RunConfig) -> Path:
     resolved["model"]["num_classes"] = num_classes
     (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     metrics = MetricsLog(out, t.max_steps, t.progress_bar)
-    # --- eval inside fit (spmd_rfdetr/evaluate.py): every eval.every_steps steps and at the end; best.pth by mAP ---
-    from spmd_rfdetr.evaluate import fit_evaluation
-
-    evaluation = fit_evaluation(cfg, cfgs, net, fabric)
-    # --- end eval ---
+    evaluation = fit_evaluation(cfg, cfgs, net, fabric)  # every eval.every_steps steps and at the end; None if off
     batches = forever(loader)
     window_start, window_steps = time.perf_counter(), 0
     for step in range(1, t.max_steps + 1):
@@ -99,13 +96,12 @@ def fit(cfg: RunConfig) -> Path:
                 "images_per_sec": window_steps * d.global_batch_size / elapsed,
                 "step_time_s": elapsed / window_steps,
             }
-            # --- eval inside fit ---
             if eval_now:
                 record.update(evaluation(step))
                 if evaluation.improved:
-                    fabric.save(out / "best.pth", {"model": net, "optimizer": optimizer, "step": step, "config": resolved})
+                    best = {"model": net, "optimizer": optimizer, "step": step, "config": resolved}
+                    fabric.save(out / "best.pth", best)
                     log.info("saved %s (eval/mAP %.4f)", out / "best.pth", evaluation.best_map)
-            # --- end eval ---
             metrics.write(record)
             window_start, window_steps = time.perf_counter(), 0
 

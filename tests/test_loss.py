@@ -19,3 +19,77 @@ def test_padding_parks_on_distinct_free_queries_on_xla() -> None:
             assert torch.equal(row[mask], original[mask])  # real targets keep their query
             free = sorted(set(range(6)) - set(original[mask].tolist()))
             assert row[~mask].tolist() == free[: int((~mask).sum())]  # lowest free queries, in order
+
+
+def test_all_layers_in_one_solve_equal_per_layer_and_scipy() -> None:
+    """The criterion's pre-hook solves final + aux + encoder layers in one call: same pairs as one solve per layer,
+    and the same total cost as upstream's SciPy matcher (eager CPU, the solver's Python-loop driver)."""
+    from rfdetr.models.matcher import HungarianMatcher
+    from scipy.optimize import linear_sum_assignment
+
+    from spmd_rfdetr.loss import StaticShapeMatcher
+
+    torch.manual_seed(0)
+    batch, group_detr, per_group, slots, classes = 3, 2, 12, 5, 4
+
+    def layer() -> dict[str, torch.Tensor]:
+        return {"pred_logits": torch.randn(batch, group_detr * per_group, classes),
+                "pred_boxes": torch.rand(batch, group_detr * per_group, 4) * 0.5 + 0.25}
+
+    counts = [5, 2, 0]
+    targets = [{"labels": torch.randint(0, classes, (slots,)), "boxes": torch.rand(slots, 4) * 0.4 + 0.3,
+                "valid": torch.arange(slots) < k} for k in counts]
+    layers = [layer() for _ in range(3)]
+    kwargs = dict(cost_class=2.0, cost_bbox=5.0, cost_giou=2.0, focal_alpha=0.25)
+    matcher = StaticShapeMatcher(**kwargs)
+    matcher.match_layers(layers, targets, group_detr=group_detr)
+    assert len(matcher._solved) == 3
+    batched = [matcher(out, targets, group_detr=group_detr) for out in layers]  # served from the batched solve
+    assert not matcher._solved
+    per_layer = [matcher(out, targets, group_detr=group_detr) for out in layers]  # one solve each
+    upstream = HungarianMatcher(**kwargs)
+    for out, got, ref in zip(layers, batched, per_layer):
+        for (q1, t1), (q2, t2) in zip(got, ref):
+            assert torch.equal(q1, q2) and torch.equal(t1, t2)
+        for i, (k, (query_index, _)) in enumerate(zip(counts, got)):
+            real = [{"labels": targets[i]["labels"][:k], "boxes": targets[i]["boxes"][:k]}]
+            for g in range(group_detr):
+                queries = slice(g * per_group, (g + 1) * per_group)
+                one = {key: value[i : i + 1, queries] for key, value in out.items()}
+                cost = upstream._compute_compact_detection_cost_matrix(one, real)  # [per_group, k]
+                ours = query_index[g * slots : g * slots + k] - g * per_group
+                rows, cols = linear_sum_assignment(cost.numpy())
+                assert torch.isclose(cost[ours, torch.arange(k)].sum(), cost[rows, cols].sum(), atol=1e-5)
+
+
+def test_criterion_matches_all_layers_in_one_solve_with_upstream_losses() -> None:
+    """rfdetr's SetCriterion with our matcher: one solve for final + aux + encoder, the losses of upstream's criterion
+    (SciPy matcher, unpadded targets), eager CPU."""
+    from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions
+    from spmd_rfdetr.loss import build_criterion
+    from spmd_rfdetr.model import build_upstream_criterion, upstream_configs
+
+    cfgs = upstream_configs(ModelOptions(resolution=128, num_queries=10, group_detr=2, dec_layers=3),
+                            DataOptions(dataset_dir="unused", global_batch_size=2, max_targets=4), OptimOptions(), 3)
+    torch.manual_seed(1)
+    batch, queries, classes = 2, 20, 4
+
+    def layer() -> dict[str, torch.Tensor]:
+        return {"pred_logits": torch.randn(batch, queries, classes), "pred_boxes": torch.rand(batch, queries, 4) * 0.5 + 0.25}
+
+    outputs = {**layer(), "aux_outputs": [layer(), layer()], "enc_outputs": layer()}
+    counts = [3, 1]
+    padded = [{"labels": torch.randint(0, 3, (4,)), "boxes": torch.rand(4, 4) * 0.4 + 0.3,
+               "valid": torch.arange(4) < k} for k in counts]
+    real = [{"labels": t["labels"][:k], "boxes": t["boxes"][:k]} for t, k in zip(padded, counts)]
+
+    ours = build_criterion(build_upstream_criterion(cfgs)[0]).train()
+    solves = []
+    solve = ours.matcher._solve
+    ours.matcher._solve = lambda cost, valid: solves.append(tuple(cost.shape)) or solve(cost, valid)
+    got = ours(outputs, padded)
+    assert solves == [(batch * 2 * 4, queries // 2, 4)], solves  # B x group_detr x 4 layers, in one call
+    reference = build_upstream_criterion(cfgs)[0].train()(outputs, real)
+    assert set(got) == set(reference)
+    for key in reference:
+        assert torch.allclose(got[key], reference[key], atol=1e-5, rtol=1e-5), (key, got[key], reference[key])

@@ -18,7 +18,7 @@ import pytest
 from conftest import TINY_MODEL  # tests/ is on sys.path (rootdir conftest, no __init__.py)
 
 ROOT = Path(__file__).resolve().parents[1]
-SIDE_KEYS = ("step_time_median_s", "graphs_per_step", "transfers_per_step", "compiles", "images_per_sec")
+SIDE_KEYS = ("step_time_median_s", "loop_step_time_s", "graphs_per_step", "transfers_per_step", "compiles", "images_per_sec")
 
 
 @pytest.fixture(scope="module")

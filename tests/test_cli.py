@@ -87,7 +87,8 @@ def fit_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert synth.returncode == 0, synth.stderr
     out = base / "out"
     result = run_cli("fit", "--config", "configs/cpu.yaml", "--data.dataset_dir", str(base / "synth"),
-                     "--trainer.output_dir", str(out), "--trainer.max_steps", "40", "--trainer.log_every", "10")
+                     "--trainer.output_dir", str(out), "--trainer.max_steps", "40", "--trainer.log_every", "10",
+                     "--eval.every_steps", "0")
     assert result.returncode == 0, result.stderr[-3000:]
     (out / "stderr.txt").write_text(result.stderr)
     return out
@@ -120,7 +121,8 @@ def test_fit_on_8_devices_matches_4(fit_run: Path, tmp_path: Path) -> None:
     """Seed Phase 2b on the mesh: 8 virtual devices, one process, no hang, same loss, checkpoint written."""
     config = yaml.safe_load((fit_run / "config.yaml").read_text())
     result = run_cli("fit", "--config", "configs/cpu.yaml", "--data.dataset_dir", config["data"]["dataset_dir"],
-                     "--trainer.output_dir", str(tmp_path), "--trainer.max_steps", "1", devices=8)
+                     "--trainer.output_dir", str(tmp_path), "--trainer.max_steps", "1", "--eval.every_steps", "0",
+                     devices=8)
     assert result.returncode == 0, result.stderr[-3000:]
     loss8 = read_metrics(tmp_path)[0]["loss"]
     loss4 = read_metrics(fit_run)[0]["loss"]

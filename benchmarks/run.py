@@ -69,16 +69,21 @@ DEFAULT_NUM_CLASSES = 90  # rfdetr's default class count (COCO ids)
 # --------------------------------------------------------------------------------------------------------- config
 
 
+def _sections() -> dict[str, type]:
+    """``RunConfig``'s sections and their option classes (``model``, ``data``, ``optim``, ``mesh``, ``trainer``, ...)."""
+    from spmd_rfdetr.config import RunConfig
+
+    return {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}  # type: ignore[misc]
+
+
 def load_run_config(path: str | None) -> Any:
-    """Our ``RunConfig`` from a ``fit`` YAML (``model:``, ``data:``, ``optim:``, ``mesh:``, ``trainer:``)."""
+    """Our ``RunConfig`` from a ``fit`` YAML."""
     import yaml
 
-    from spmd_rfdetr.config import DataOptions, MeshOptions, ModelOptions, OptimOptions, RunConfig, TrainerOptions
+    from spmd_rfdetr.config import RunConfig
 
-    raw = yaml.safe_load(Path(path).read_text()) if path else {}
-    raw = raw or {}
-    sections = {"model": ModelOptions, "data": DataOptions, "optim": OptimOptions, "mesh": MeshOptions,
-                "trainer": TrainerOptions}
+    raw = (yaml.safe_load(Path(path).read_text()) if path else {}) or {}
+    sections = _sections()
     unknown = set(raw) - set(sections)
     if unknown:
         raise SystemExit(f"{path}: unknown section(s) {sorted(unknown)}; expected {sorted(sections)}")
@@ -89,10 +94,9 @@ def load_run_config(path: str | None) -> Any:
 
 
 def run_config_from_dict(d: dict[str, Any]) -> Any:
-    from spmd_rfdetr.config import DataOptions, MeshOptions, ModelOptions, OptimOptions, RunConfig, TrainerOptions
+    from spmd_rfdetr.config import RunConfig
 
-    return RunConfig(model=ModelOptions(**d["model"]), data=DataOptions(**d["data"]), optim=OptimOptions(**d["optim"]),
-                     mesh=MeshOptions(**d["mesh"]), trainer=TrainerOptions(**d["trainer"]))
+    return RunConfig(**{name: cls(**d[name]) for name, cls in _sections().items()})
 
 
 def apply_overrides(cfg: Any, args: argparse.Namespace) -> None:

@@ -103,8 +103,6 @@ def predict(
     return evaluate.predict(cfg, checkpoint, images, output)
 
 
-
-
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``python -m spmd_rfdetr`` and the ``spmd-rfdetr`` script."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

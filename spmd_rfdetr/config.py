@@ -135,8 +135,6 @@ class EvalOptions:
     """Inside ``fit``: also write each evaluation's detections (COCO results JSON) next to its metrics."""
 
 
-
-
 @dataclass
 class RunConfig:
     """Everything ``fit`` needs, as one object (what ``config.yaml`` in the output holds)."""

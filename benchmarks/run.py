@@ -30,9 +30,9 @@ statistics. Then the same number of steps runs back to back with one wait at the
 On a CPU host (``PJRT_DEVICE`` unset or ``CPU``) ours runs on ``--devices`` virtual XLA CPU devices
 (``CPU_NUM_DEVICES``; default 1: virtual devices share the host's cores, so the like-for-like comparison is one
 device each; Nano at batch 2 measured 6.6 s/step on 2 virtual devices against 4.2 s on one, on 2 cores), upstream on
-one. On a TPU VM every visible chip is used by ours and one device by upstream; to benchmark fewer chips, restrict the visible chips before starting
-(e.g. ``TPU_VISIBLE_CHIPS=0,1 TPU_CHIPS_PER_PROCESS_BOUNDS=1,2,1 TPU_PROCESS_BOUNDS=1,1,1``) and pass the same
-``--devices`` (a mismatch with what the runtime sees is an error).
+one. On a TPU VM every visible chip is used by ours and one device by upstream; to benchmark fewer chips, restrict
+the visible chips before starting (e.g. ``TPU_VISIBLE_CHIPS=0,1 TPU_CHIPS_PER_PROCESS_BOUNDS=1,2,1
+TPU_PROCESS_BOUNDS=1,1,1``) and pass the same ``--devices`` (a mismatch with what the runtime sees is an error).
 """
 
 from __future__ import annotations
@@ -807,7 +807,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def default_devices(cfg: Any, args: argparse.Namespace) -> int | None:
+def default_devices(args: argparse.Namespace) -> int | None:
     """Devices for our side: ``--devices``; on a CPU host 1, the device upstream runs on (virtual XLA CPU devices
     share the same cores, so more of them add partitioning and collectives, not compute); on a TPU every chip."""
     if args.devices is not None:
@@ -816,7 +816,7 @@ def default_devices(cfg: Any, args: argparse.Namespace) -> int | None:
 
 
 def main_compare(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
-    devices = default_devices(cfg, args)
+    devices = default_devices(args)
     spec = {"run_config": dataclasses.asdict(cfg), "warmup": args.warmup, "steps": args.steps, "num_batches": 2,
             "count_flops": not args.no_flops, "expect_devices": args.devices if not on_cpu_host() else None}
     ours = run_child("ours", spec, devices, args.child_timeout)

@@ -528,14 +528,22 @@ def fit_evaluation(cfg: RunConfig, cfgs: Any, model: torch.nn.Module, fabric: An
         return None
     from spmd_rfdetr.data import build_split
 
-    dataset = build_split(cfgs, cfg.eval.split)
-    evaluator = Evaluator(
-        model, dataset, mesh=fabric.strategy.mesh,
-        global_batch_size=cfg.eval.global_batch_size or cfg.data.global_batch_size,
-        resolution=cfgs.model.resolution, num_select=cfg.eval.num_select or cfgs.model.num_select,
-        autocast=fabric.strategy.precision.forward_context, num_workers=cfg.data.num_workers,
-    )
+    evaluator = evaluator_for(cfg, cfgs, model, fabric, build_split(cfgs, cfg.eval.split))
     return FitEvaluation(evaluator, cfg.eval.every_steps, Path(cfg.trainer.output_dir), cfg.eval.save_detections)
+
+
+def eval_sizes(cfg: RunConfig, cfgs: Any) -> tuple[int, int]:
+    """(global eval batch size, detections per image): ``eval.*`` or else the training batch and rfdetr's default."""
+    return cfg.eval.global_batch_size or cfg.data.global_batch_size, cfg.eval.num_select or cfgs.model.num_select
+
+
+def evaluator_for(cfg: RunConfig, cfgs: Any, model: torch.nn.Module, fabric: Any, dataset: Dataset[Any]) -> Evaluator:
+    """An :class:`Evaluator` of ``dataset`` configured by ``cfg`` (eval sizes, precision, loader workers)."""
+    batch_size, num_select = eval_sizes(cfg, cfgs)
+    return Evaluator(
+        model, dataset, mesh=fabric.strategy.mesh, global_batch_size=batch_size, resolution=cfgs.model.resolution,
+        num_select=num_select, autocast=fabric.strategy.precision.forward_context, num_workers=cfg.data.num_workers,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -581,13 +589,7 @@ def validate(cfg: RunConfig, checkpoint: str, output_dir: str | None = None) -> 
     from spmd_rfdetr.data import build_split
 
     fabric, cfgs, net = _load_for_inference(cfg, checkpoint)
-    evaluator = Evaluator(
-        net, build_split(cfgs, cfg.eval.split), mesh=fabric.strategy.mesh,
-        global_batch_size=cfg.eval.global_batch_size or cfg.data.global_batch_size,
-        resolution=cfgs.model.resolution, num_select=cfg.eval.num_select or cfgs.model.num_select,
-        autocast=fabric.strategy.precision.forward_context, num_workers=cfg.data.num_workers,
-    )
-    result = evaluator.run()
+    result = evaluator_for(cfg, cfgs, net, fabric, build_split(cfgs, cfg.eval.split)).run()
     out = Path(output_dir) if output_dir else Path(checkpoint).parent / f"eval_{Path(checkpoint).stem}_{cfg.eval.split}"
     summary = save_result(result, out)
     print(result.metrics.table(), flush=True)
@@ -607,10 +609,9 @@ def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
     if label2cat is None:
         log.warning("%s has no readable train/_annotations.coco.json: category_id is the label index",
                     cfg.data.dataset_dir)
-    forward = EvalForward(net, cfg.eval.num_select or cfgs.model.num_select,
-                          fabric.strategy.precision.forward_context)
-    loader = eval_loader(folder, cfg.eval.global_batch_size or cfg.data.global_batch_size, cfgs.model.resolution,
-                         cfg.data.num_workers)
+    batch_size, num_select = eval_sizes(cfg, cfgs)
+    forward = EvalForward(net, num_select, fabric.strategy.precision.forward_context)
+    loader = eval_loader(folder, batch_size, cfgs.model.resolution, cfg.data.num_workers)
     rows, ids = run_detection(forward, loader, device_sender(fabric.strategy.mesh))
     results = detections_to_coco(rows, ids, label2cat)
     out = Path(output)

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import os
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch_xla
-import torch_xla.core.xla_model as xm
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from lightning_fabric import Fabric
@@ -33,7 +32,8 @@ from torch import Tensor
 from torch.nn import Module
 from torch.utils.data import DataLoader
 
-from spmd_rfdetr.mesh import BATCH_AXES, batch_shard_count, build_mesh
+from spmd_rfdetr.loader import SPMDDataLoader  # also imported from here by existing code
+from spmd_rfdetr.mesh import build_mesh
 
 _PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 
@@ -123,54 +123,6 @@ def _enable_xla_bf16() -> None:
         )
 
 
-class SPMDDataLoader:
-    """Iterates a CPU loader and puts every batch tensor on the XLA device, sharded along dim 0 on the batch axes.
-
-    Works on any nesting of dicts/lists/tuples; 0-dim tensors are replicated and non-tensors pass through unchanged.
-    Checks the batch size before XLA sees it, and cuts the lazy graph (``torch_xla.sync()``) between batches, as
-    torch_xla's ``MpDeviceLoader`` does. Transfers are synchronous (no background prefetch). Single host: the
-    wrapped loader yields the GLOBAL batch (multi-host would load per-host slices, ``ShardingSpec(minibatch=True)``).
-    """
-
-    def __init__(self, loader: Any, mesh: xs.Mesh, device: torch.device) -> None:
-        self._loader, self.mesh, self.device = loader, mesh, device
-        self.dataset = getattr(loader, "dataset", None)
-        self.sampler = getattr(loader, "sampler", None)
-        self.batch_sampler = getattr(loader, "batch_sampler", None)
-        self._specs: dict[int, xs.ShardingSpec] = {}  # one spec per tensor rank
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-    def __iter__(self) -> Iterator[Any]:
-        for i, batch in enumerate(self._loader):
-            if i:
-                torch_xla.sync()
-            yield self.to_device(batch)
-        torch_xla.sync()
-
-    def to_device(self, batch: Any) -> Any:
-        """Move one CPU batch to the mesh, every tensor sharded on dim 0."""
-        return apply_to_collection(batch, Tensor, self._send)
-
-    def _send(self, tensor: Tensor) -> Tensor:
-        if tensor.dim() == 0:
-            return tensor.as_subclass(Tensor).to(self.device)
-        shards = batch_shard_count(self.mesh)
-        if tensor.shape[0] % shards:
-            raise ValueError(
-                f"Batch size {tensor.shape[0]} (a tensor of shape {tuple(tensor.shape)}) is not divisible by the "
-                f"mesh's {'x'.join(BATCH_AXES)} axis of size {shards}. Use a batch size that is a multiple of "
-                f"{shards} and drop_last=True (static shapes also avoid recompiles)."
-            )
-        spec = self._specs.get(tensor.dim())
-        if spec is None:
-            batch_axis = BATCH_AXES[0] if len(BATCH_AXES) == 1 else BATCH_AXES
-            spec = self._specs[tensor.dim()] = xs.ShardingSpec(self.mesh, (batch_axis,) + (None,) * (tensor.dim() - 1))
-        # plain CPU tensors only: torch_xla skips Tensor subclasses (e.g. tv_tensors) without a word
-        return xm.send_cpu_data_to_device(tensor.cpu().as_subclass(Tensor), self.device, spec)[0]
-
-
 def replicate_parameters(module: Module, mesh: xs.Mesh) -> int:
     """Annotate every unannotated XLA parameter and buffer of ``module`` replicated over ``mesh``; returns how many.
 
@@ -192,11 +144,15 @@ class SPMDStrategy(XLAStrategy):
     Collectives under SPMD: a tensor is already the global value (GSPMD reduces across shards inside the compiled
     graph), so ``all_reduce`` / ``all_gather`` / ``broadcast`` return their input and ``barrier`` does nothing.
     Parameters are replicated on every device; batches are sharded on dim 0 (see ``SPMDDataLoader``).
+
+    ``prefetch``: batches each loader from ``process_dataloader`` (``fabric.setup_dataloaders``) loads ahead in a
+    background thread (0: synchronously); set ``fabric.strategy.prefetch`` before setting the loaders up.
     """
 
     def __init__(self, mesh: Optional[xs.Mesh] = None, accelerator: Optional[SPMDAccelerator] = None,
-                 precision: Optional[XLAPrecision] = None, checkpoint_io: Any = None) -> None:
+                 precision: Optional[XLAPrecision] = None, checkpoint_io: Any = None, prefetch: int = 2) -> None:
         self.mesh = mesh if mesh is not None else build_mesh()
+        self.prefetch = prefetch
         super().__init__(parallel_devices=[torch.device("xla", 0)], checkpoint_io=checkpoint_io,
                          precision=precision, sync_module_states=False)
         self.accelerator = accelerator
@@ -264,7 +220,7 @@ class SPMDStrategy(XLAStrategy):
         """Wrap ``dataloader`` so batches arrive sharded on the mesh's batch axes."""
         if isinstance(dataloader, SPMDDataLoader):
             return dataloader
-        return SPMDDataLoader(dataloader, self.mesh, self.root_device)
+        return SPMDDataLoader(dataloader, self.mesh, self.root_device, prefetch=self.prefetch)
 
     def all_reduce(self, output: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         """Identity: an SPMD tensor is already global; reduce over a dimension with ``.sum()``/``.mean()``."""

@@ -5,6 +5,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -141,6 +144,133 @@ def test_indivisible_batch_is_a_clear_error():
     loader = fabric.setup_dataloaders(DataLoader(Detections(n=6), batch_size=6))
     with pytest.raises(ValueError, match=r"Batch size 6 .* size 4"):
         next(iter(loader))
+
+
+# --- prefetch ---------------------------------------------------------------------------------------------------------
+def prefetch_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "SPMDDataLoader-prefetch"}
+
+
+def overlaps(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+class Slow(Dataset):
+    """Each item is a whole batch that takes `load_s` to load; records when each load ran and how many started."""
+
+    def __init__(self, n: int, load_s: float = 0.0, fail_at: int = -1) -> None:
+        self.n, self.load_s, self.fail_at = n, load_s, fail_at
+        self.loads: dict[int, tuple[float, float]] = {}
+        self.started = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.started += 1
+        if i == self.fail_at:
+            raise RuntimeError(f"corrupt image {i}")
+        start = time.monotonic()
+        time.sleep(self.load_s)
+        self.loads[i] = (start, time.monotonic())
+        return torch.full((4, 3, 8, 8), float(i))
+
+
+def test_prefetched_batches_equal_synchronous_ones():
+    before = prefetch_threads()
+    data = DataLoader(Detections(n=24), batch_size=8)
+    sync, ahead = (SPMDDataLoader(data, build_mesh(), torch_xla.device(), prefetch=p) for p in (0, 2))
+    for _ in range(2):  # two epochs: each ends at the loader's end
+        got, want = list(ahead), list(sync)
+        assert len(got) == len(want) == 3
+        for a, b in zip(got, want):
+            assert a["file_name"] == b["file_name"]
+            for key in ("images", "boxes", "labels", "valid", "image_id", "orig_size"):
+                assert spec(a[key]) == spec(b[key]) and torch.equal(a[key].cpu(), b[key].cpu()), key
+    assert spec(got[0]["images"]) == "{devices=[4,1,1,1]0,1,2,3}" and spec(got[0]["labels"]) == "{devices=[4,1]0,1,2,3}"
+    assert ahead.batches == sync.batches == 6 and ahead.wait_s > 0 and sync.wait_s > 0
+    assert prefetch_threads() == before  # each epoch's thread ended with it
+
+    fabric = spmd_fabric()
+    assert fabric.strategy.prefetch == 2
+    fabric.strategy.prefetch = 3
+    loader = fabric.setup_dataloaders(data)
+    assert loader._dataloader.prefetch == 3 and len(list(loader)) == 3
+    # Fabric's wrapper copied the loader's __dict__ once: the counters are read on the SPMDDataLoader it wraps
+    assert loader._dataloader.batches == 3 and not hasattr(loader, "wait_s")
+    with pytest.raises(ValueError, match="prefetch must be >= 0"):
+        SPMDDataLoader(data, build_mesh(), torch_xla.device(), prefetch=-1)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_loading_error_reaches_the_consumer(prefetch):
+    before = prefetch_threads()
+    loader = SPMDDataLoader(DataLoader(Slow(8, fail_at=5), batch_size=None), build_mesh(), torch_xla.device(),
+                            prefetch=prefetch)
+    got = []
+    with pytest.raises(RuntimeError, match="corrupt image 5") as err:
+        for batch in loader:
+            got.append(batch)
+    assert len(got) == loader.batches == 5
+    assert "__getitem__" in [frame.name for frame in traceback.extract_tb(err.value.__traceback__)]  # its traceback
+    assert prefetch_threads() == before
+
+
+def test_prefetch_overlaps_loading_with_compute():
+    load_s, compute_s, n = 0.2, 0.1, 6  # loading is the bottleneck: batch k+1 loads while batch k computes
+
+    def run(prefetch: int) -> tuple[dict[int, tuple[float, float]], list[tuple[float, float]], SPMDDataLoader]:
+        data = Slow(n, load_s)
+        loader = SPMDDataLoader(DataLoader(data, batch_size=None), build_mesh(), torch_xla.device(), prefetch=prefetch)
+        computes = []
+        for _ in loader:
+            start = time.monotonic()
+            time.sleep(compute_s)
+            computes.append((start, time.monotonic()))
+        return data.loads, computes, loader
+
+    loads, computes, ahead = run(prefetch=2)
+    overlapped = [overlaps(loads[k + 1], computes[k]) for k in range(n - 1)]
+    assert sum(overlapped) >= n - 2, (loads, computes)
+    loads, computes, sync = run(prefetch=0)
+    assert not any(overlaps(load, compute) for load in loads.values() for compute in computes), (loads, computes)
+    assert ahead.batches == sync.batches == n
+    assert ahead.wait_s < sync.wait_s, (ahead.wait_s, sync.wait_s)
+
+
+def test_stopping_early_stops_the_thread():
+    def forever(loader):  # as spmd_rfdetr.data.forever (the training loop's batch source)
+        while True:
+            yield from loader
+
+    def stopped(thread: threading.Thread) -> bool:
+        deadline = time.monotonic() + 5
+        while thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not thread.is_alive()
+
+    data = Slow(1000)
+    loader = SPMDDataLoader(DataLoader(data, batch_size=None), build_mesh(), torch_xla.device(), prefetch=2)
+    before = prefetch_threads()
+    batches = iter(loader)
+    next(batches), next(batches)
+    (thread,) = prefetch_threads() - before
+    time.sleep(0.3)
+    assert thread.daemon and thread.is_alive() and data.started <= 2 + 2 + 1  # 2 taken, 2 queued, 1 in hand
+    batches.close()
+    assert stopped(thread)
+
+    for i, _ in enumerate(loader):
+        if i == 1:
+            (thread,) = prefetch_threads() - before
+            break
+    assert stopped(thread)  # `break` dropped the iteration
+
+    batches = forever(loader)
+    next(batches)
+    (thread,) = prefetch_threads() - before
+    del batches  # abandoned (as when `fit` returns): the generators are closed
+    assert stopped(thread) and loader.batches == 5
 
 
 # --- training ---------------------------------------------------------------------------------------------------------

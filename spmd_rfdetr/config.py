@@ -51,6 +51,8 @@ class DataOptions:
     ``truncate`` keeps the largest ``max_targets`` boxes and logs how many images and boxes were cut."""
     num_workers: int = 2
     """DataLoader worker processes."""
+    prefetch: int = 2
+    """Batches loaded and sent to the device ahead of the step in a background thread (0: load synchronously)."""
     multi_scale: bool = False
     """Upstream multi-scale augmentation. Every new shape compiles a new XLA graph: keep it off on TPU."""
 
@@ -110,10 +112,16 @@ class TrainerOptions:
     """Assignment solver: ``device`` keeps the whole step one XLA graph; ``scipy`` is upstream's host path."""
     progress_bar: bool | None = None
     """Show a progress bar; ``None`` shows it only on a terminal."""
+    step_mode: Literal["replay", "trace"] = "replay"
+    """``replay``: trace the step's Python once, then replay its compiled program every step (host cost per step
+    near zero; a second trace at step 2 checks nothing per-step was baked in, else it falls back to ``trace``).
+    ``trace``: lazy tracing re-runs the step's Python every step (``torch_xla.compile``). ``matcher=scipy`` always
+    traces."""
     compile_backend: Literal["torch_xla", "openxla"] = "torch_xla"
-    """How the training step is compiled: ``torch_xla`` (``torch_xla.compile``, lazy tracing: exact gradients under
-    SPMD). ``openxla`` (``torch.compile(backend="openxla")``) is refused at startup while torch_xla gives stale weight
-    gradients with it under SPMD (pytorch/xla#4824); evaluation always uses ``openxla``, where it is correct."""
+    """How the training step is compiled: ``torch_xla`` (lazy tracing, in ``step_mode``). ``openxla``
+    (``torch.compile(backend="openxla")``, dynamo: several programs per step) with this project's fix for torch_xla's
+    stale weight gradients under SPMD (pytorch/xla#4824); refused on torch_xla versions the fix is not verified for.
+    Evaluation always uses ``openxla``."""
 
 
 @dataclass
@@ -151,12 +159,12 @@ class ConfigError(ValueError):
     """A configuration problem the user can fix; the message lists every problem found."""
 
 
-#: Why ``trainer.compile_backend=openxla`` is refused (tests/test_eval.py checks the bug is still there).
+#: Why ``trainer.compile_backend=openxla`` is refused on unverified torch_xla versions.
 OPENXLA_TRAINING_REFUSED = (
-    "trainer.compile_backend=openxla is refused: torch.compile(backend='openxla') under SPMD returns stale weight "
-    "gradients from the second step on (torch_xla 2.9, pytorch/xla#4824; the repro is tests/test_eval.py::"
-    "test_openxla_training_still_wrong_and_fit_refuses_it). Use trainer.compile_backend=torch_xla (exact gradients); "
-    "evaluation already uses openxla, where inference is correct."
+    "trainer.compile_backend=openxla is refused on this torch_xla: torch.compile(backend='openxla') under SPMD returns "
+    "stale weight gradients from the second step on (pytorch/xla#4824), and spmd_rfdetr's fix "
+    "(spmd_rfdetr/openxla_fix.py) is verified for torch_xla {verified} only. Use trainer.compile_backend=torch_xla "
+    "(exact gradients, and the faster replay step mode)."
 )
 
 
@@ -196,7 +204,12 @@ def validate(cfg: RunConfig, device_count: int | None = None) -> None:
                 f"use a multiple of {axis}, e.g. {axis * max(1, round(d.global_batch_size / axis))}"
             )
     if t.compile_backend == "openxla":
-        problems.append(OPENXLA_TRAINING_REFUSED)
+        from spmd_rfdetr.openxla_fix import VERIFIED_TORCH_XLA, fix_available
+
+        if not fix_available():
+            problems.append(OPENXLA_TRAINING_REFUSED.format(verified=", ".join(VERIFIED_TORCH_XLA)))
+        if t.matcher != "device":
+            problems.append("trainer.compile_backend=openxla needs trainer.matcher=device")
     e = cfg.eval
     if e.every_steps < 0:
         problems.append(f"eval.every_steps={e.every_steps} must be >= 0 (0 = no evaluation inside fit)")

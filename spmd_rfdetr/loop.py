@@ -35,20 +35,13 @@ def fit(cfg: RunConfig) -> Path:
 
     validate(cfg, xr.global_runtime_device_count())
 
-    from spmd_rfdetr.evaluate import fit_evaluation
+    from spmd_rfdetr.build import build_trainer
     from spmd_rfdetr.data import build_split, check_overflow, forever, make_loader, num_classes_in
+    from spmd_rfdetr.evaluate import fit_evaluation
     from spmd_rfdetr.fabric import spmd_fabric
-    from spmd_rfdetr.loss import build_criterion
     from spmd_rfdetr.mesh import build_mesh
     from spmd_rfdetr.metrics import MetricsLog
-    from spmd_rfdetr.model import (
-        build_model,
-        DeviceLRSchedule,
-        build_optimizer,
-        build_upstream_criterion,
-        upstream_configs,
-    )
-    from spmd_rfdetr.step import TrainStep
+    from spmd_rfdetr.model import upstream_configs
 
     t, d = cfg.trainer, cfg.data
     out = Path(t.output_dir)
@@ -60,19 +53,12 @@ def fit(cfg: RunConfig) -> Path:
     cfgs = upstream_configs(cfg.model, d, cfg.optim, num_classes)
     train_set = build_split(cfgs, "train")
     check_overflow(train_set, d, "train")
+    fabric.strategy.prefetch = d.prefetch
     loader = fabric.setup_dataloaders(make_loader(train_set, d, cfgs.model.resolution, train=True, seed=t.seed))
+    spmd_loader = loader._dataloader  # Fabric's wrapper copied the loader's attributes once; its counters live here
 
-    net = build_model(cfgs)
-    criterion = build_criterion(build_upstream_criterion(cfgs)[0], solver=t.matcher)
-    criterion.train()
-    optimizer = build_optimizer(net, cfgs, on_device=True)
-    net, optimizer = fabric.setup(net, optimizer)
-    net.train()
-    schedule = DeviceLRSchedule(optimizer, cfg.optim, t.max_steps)
-    step_fn = TrainStep(
-        net, criterion, optimizer, clip_max_norm=cfg.optim.clip_max_norm, full_graph=t.matcher == "device",
-        schedule=schedule,
-    )
+    trainer = build_trainer(fabric, cfgs, cfg.optim, t)
+    net, optimizer, step_fn = trainer.model, trainer.optimizer, trainer.step
 
     resolved = dataclasses.asdict(cfg)
     resolved["model"]["num_classes"] = num_classes
@@ -80,7 +66,7 @@ def fit(cfg: RunConfig) -> Path:
     metrics = MetricsLog(out, t.max_steps, t.progress_bar)
     evaluation = fit_evaluation(cfg, cfgs, net, fabric)  # every eval.every_steps steps and at the end; None if off
     batches = forever(loader)
-    window_start, window_steps = time.perf_counter(), 0
+    window_start, window_steps, wait_start = time.perf_counter(), 0, spmd_loader.wait_s
     for step in range(1, t.max_steps + 1):
         stats = step_fn(next(batches))
         window_steps += 1
@@ -92,9 +78,11 @@ def fit(cfg: RunConfig) -> Path:
             record = {
                 "step": step,
                 **values,
-                "lr": schedule.get_last_lr()[0],
                 "images_per_sec": window_steps * d.global_batch_size / elapsed,
                 "step_time_s": elapsed / window_steps,
+                "data_wait_s": spmd_loader.wait_s - wait_start,  # the loop waited for batches
+                "step_mode": step_fn.mode,
+                "step_traces": step_fn.traces,  # how often the step's Python ran (replay: 2 per run)
             }
             if eval_now:
                 record.update(evaluation(step))
@@ -103,7 +91,7 @@ def fit(cfg: RunConfig) -> Path:
                     fabric.save(out / "best.pth", best)
                     log.info("saved %s (eval/mAP %.4f)", out / "best.pth", evaluation.best_map)
             metrics.write(record)
-            window_start, window_steps = time.perf_counter(), 0
+            window_start, window_steps, wait_start = time.perf_counter(), 0, spmd_loader.wait_s
 
     checkpoint = out / "last.pth"
     fabric.save(checkpoint, {"model": net, "optimizer": optimizer, "step": t.max_steps, "config": resolved})

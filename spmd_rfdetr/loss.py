@@ -80,6 +80,7 @@ class StaticShapeMatcher(HungarianMatcher):
         valid = torch.stack([t["valid"] for t in targets]).repeat_interleave(group_detr, dim=0)
         return cost, valid
 
+    @torch._dynamo.disable  # the solver builds an XLA While loop with xla_builder: under torch.compile it runs lazily
     def _solve(self, cost: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """``[P, Q, T]`` problems -> ``[P, T]`` query per target slot, injective per problem (padding parked)."""
         if self.solver == "scipy":

@@ -37,8 +37,9 @@ def aten_fallbacks() -> dict[str, int]:
 class MetricsLog:
     """Appends one JSON object per log point to ``<output_dir>/metrics.jsonl`` and prints a progress line/bar.
 
-    Also watches the counters after every step: a line whenever XLA compiles, and one warning each for a compile after
-    ``warmup_steps`` and for a device->host transfer outside a log point (both cost a TPU dearly).
+    Also watches the counters after every step: a line whenever XLA compiles, and one warning each for a compile and
+    for a device->host transfer outside a log point after ``warmup_steps`` (both cost a TPU dearly; in warm-up the
+    replayed step checks its second trace against the first, which reads the graph's constants once).
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class MetricsLog:
         self.warmup_steps = warmup_steps
         self.bar = sys.stderr.isatty() if progress_bar is None else progress_bar
         self._seen = xla_counters()
+        self._compiles_at_last_record = self._seen["xla_compiles"]
         self._warned: set[str] = set()
 
     def after_step(self, step: int) -> None:
@@ -66,7 +68,7 @@ class MetricsLog:
                     f"step {step}: XLA compiled a new graph after warm-up; something changed shape or a Python value "
                     "baked into the graph changed. Rerun with PT_XLA_DEBUG_LEVEL=2 to print the cause.",
                 )
-        if now["xla_transfers_to_host"] > self._seen["xla_transfers_to_host"]:
+        if step > self.warmup_steps and now["xla_transfers_to_host"] > self._seen["xla_transfers_to_host"]:
             self._warn_once(
                 "transfer",
                 f"step {step}: {now['xla_transfers_to_host'] - self._seen['xla_transfers_to_host']} device->host "
@@ -80,7 +82,9 @@ class MetricsLog:
         """Append ``record`` (plus the cumulative XLA counters) and show it; call after reading the step's stats."""
         counters = xla_counters()
         self._seen = counters  # the log point's own read-back is expected
-        record = {**record, **counters, "time": time.time()}
+        new_compiles = counters["xla_compiles"] - self._compiles_at_last_record
+        self._compiles_at_last_record = counters["xla_compiles"]
+        record = {**record, **counters, "xla_new_compiles": new_compiles, "time": time.time()}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         step = record["step"]

@@ -112,30 +112,47 @@ def lr_factor(step: int, optim: OptimOptions, max_steps: int) -> float:
     return 1.0
 
 
+def device_lr_factor(step: torch.Tensor, optim: OptimOptions, max_steps: int) -> torch.Tensor:
+    """:func:`lr_factor` computed on the device from a float32 step count (no Python value changes per step)."""
+    warmup = optim.warmup_steps
+    if optim.schedule == "cosine":
+        progress = (step - warmup) / max(1, max_steps - warmup)
+        after = optim.min_lr_factor + (1 - optim.min_lr_factor) * 0.5 * (1 + torch.cos(math.pi * progress))
+    elif optim.schedule == "step" and optim.lr_drop_step:
+        after = torch.where(step >= optim.lr_drop_step, 0.1, 1.0)
+    else:
+        after = torch.ones_like(step)
+    if warmup <= 0:
+        return after
+    return torch.where(step < warmup, (step + 1) / (warmup + 1), after)
+
+
 class DeviceLRSchedule:
-    """:func:`lr_factor` written into device-tensor learning rates, stepped inside the compiled training step.
+    """:func:`lr_factor` as device-tensor learning rates, stepped inside the compiled training step.
 
     A Python-float learning rate is baked into the XLA graph: AdamW's ``param.mul_(1 - lr * weight_decay)`` compiled a
     new graph when that factor stopped rounding to 1.0 in float32 (measured: a recompile at step 16 of the CPU recipe's
-    warmup). Tensor learning rates (with ``capturable`` AdamW) keep one graph for the whole run and are never read back.
+    warmup), and a replayed program would keep the first step's value for ever. So the step count is a device tensor
+    too and the factor is computed from it on the device (:func:`device_lr_factor`): one graph for the whole run, never
+    read back.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, optim: OptimOptions, max_steps: int) -> None:
         self.optimizer, self.optim, self.max_steps = optimizer, optim, max_steps
         self.base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
-        self.last_step = 0
         device = optimizer.param_groups[0]["params"][0].device
+        self.step_count = torch.zeros((), dtype=torch.float32, device=device)  # optimizer steps taken
         factor = lr_factor(0, optim, max_steps)
         for group, base in zip(optimizer.param_groups, self.base_lrs):
             group["lr"] = torch.tensor(base * factor, dtype=torch.float32, device=device)
 
     def step(self) -> None:
-        """Advance one optimizer step (an in-place fill: part of the step's graph, no new graph, no host read)."""
-        self.last_step += 1
-        for group, lr in zip(self.optimizer.param_groups, self.get_last_lr()):
-            group["lr"].fill_(lr)
+        """Advance one optimizer step (in-place device ops: part of the step's graph, no host value involved)."""
+        self.step_count.add_(1)
+        factor = device_lr_factor(self.step_count, self.optim, self.max_steps)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"].copy_(factor * base)
 
-    def get_last_lr(self) -> list[float]:
-        """The learning rates the next optimizer step uses, as Python floats (no device read)."""
-        factor = lr_factor(self.last_step, self.optim, self.max_steps)
-        return [base * factor for base in self.base_lrs]
+    def tensors(self) -> list[torch.Tensor]:
+        """The device tensors :meth:`step` updates (part of the training step's state)."""
+        return [self.step_count]

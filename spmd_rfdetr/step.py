@@ -1,16 +1,24 @@
 """The training step: forward, rfdetr's set criterion, backward, clipping and AdamW, compiled as one XLA program.
 
-Compiled with ``torch_xla.compile`` (lazy tracing): ``torch.compile(backend="openxla")`` gives wrong parameter
-gradients for training under SPMD (see ``shared/repro``). With the device matcher the step is traced with
-``full_graph=True``, so any stray host sync (an ``.item()``, a CPU fallback) raises instead of silently cutting the
-graph.
+Two ways to run it (``trainer.step_mode``):
+- ``replay`` (default): the step's Python is traced once, then its compiled program is replayed every step
+  (:mod:`spmd_rfdetr.replay`), so the host does almost nothing per step. The second step is traced once more and
+  compared with the first; a difference (a per-step Python value baked into the graph) falls back to ``trace``.
+- ``trace``: ``torch_xla.compile`` (lazy tracing) re-runs the step's Python every step and finds the program in the
+  compilation cache.
+Either way execution is disallowed while tracing, so a stray host sync (an ``.item()``, a CPU fallback) raises instead
+of silently cutting the graph.
+- ``openxla`` (``trainer.compile_backend=openxla``): ``torch.compile(backend="openxla")`` with the bridge fix of
+  :mod:`spmd_rfdetr.openxla_fix` (without it torch_xla 2.9 gives stale weight gradients under SPMD). Dynamo splits the
+  step at ``backward()`` and wherever it cannot trace, so it runs several programs per step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Literal
 
 import torch
 import torch_xla
@@ -19,6 +27,13 @@ from rfdetr.utilities.tensors import NestedTensor
 
 from spmd_rfdetr.data import targets_list
 from spmd_rfdetr.loss import total_loss
+from spmd_rfdetr.replay import Replayer, ReplayUnsafe, replicate_unannotated
+
+log = logging.getLogger(__name__)
+
+StepMode = Literal["replay", "trace", "openxla"]
+#: The call whose trace is compared with the first one (see :meth:`Replayer.check`).
+CHECK_CALL = 2
 
 
 def as_samples(images: torch.Tensor) -> NestedTensor:
@@ -52,7 +67,14 @@ def _to_float(tree: Any) -> Any:
 
 
 class TrainStep:
-    """One optimizer step as one compiled program; returns device tensors only (read them at log points)."""
+    """One optimizer step as one compiled program; returns device tensors only (read them at log points).
+
+    Args:
+        schedule: stepped inside the program (e.g. :class:`~spmd_rfdetr.model.DeviceLRSchedule`); its
+            ``tensors()`` are part of the step's state.
+        full_graph: ``False`` allows host syncs inside the step (``trainer.matcher=scipy``); it implies ``trace``.
+        mode: ``replay`` or ``trace`` (module docstring).
+    """
 
     def __init__(
         self,
@@ -64,16 +86,43 @@ class TrainStep:
         autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
         full_graph: bool = True,
         schedule: Any = None,
+        mode: StepMode = "replay",
     ) -> None:
         self.model, self.criterion, self.optimizer, self.schedule = model, criterion, optimizer, schedule
         self.clip_max_norm = clip_max_norm
         self.autocast = autocast
+        self.full_graph = full_graph
+        self.mode: StepMode = mode if full_graph else "trace"
+        self.fallback_reason = ""  # why replay was given up for this run ('' if it was not)
+        self.calls = 0
+        self._lazy_traces = 0  # calls run by lazy tracing (trace mode, or after a fallback)
+        init_optimizer_state(optimizer)  # the first trace is already the steady-state graph
+        replicate_unannotated(self.state())  # ... with the input shardings the step's own outputs will have
+        self._replayer = Replayer(self._step, self.state)
         self._compiled = torch_xla.compile(self._step, full_graph=full_graph, name="train_step")
+        if self.mode == "openxla":
+            from spmd_rfdetr.openxla_fix import apply_bridge_fix
+
+            apply_bridge_fix()
+            self._compiled = torch.compile(self._step, backend="openxla")
+
+    def state(self) -> list[torch.Tensor]:
+        """Every device tensor the step reads or updates besides the batch."""
+        tensors = [*self.model.parameters(), *self.model.buffers(), *self.criterion.buffers()]
+        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        for group in self.optimizer.param_groups:
+            tensors += [v for k, v in group.items() if k != "params" and isinstance(v, torch.Tensor)]
+        for per_param in self.optimizer.state.values():
+            tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+        if self.schedule is not None:
+            tensors += self.schedule.tensors()
+        return tensors
 
     def _step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
-        if hasattr(self.criterion.matcher, "unconverged"):
-            self.criterion.matcher.unconverged = None
+        matcher = self.criterion.matcher
+        if hasattr(matcher, "unconverged"):
+            matcher.unconverged = None
         loss, loss_dict = forward_loss(self.model, self.criterion, batch, self.autocast)
         loss.backward()
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -81,21 +130,80 @@ class TrainStep:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_max_norm)
         else:
             grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+        lr = self.optimizer.param_groups[0]["lr"]
+        lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else torch.tensor(lr)  # this step's, not the next
         self.optimizer.step()
         if self.schedule is not None:
-            self.schedule.step()  # e.g. DeviceLRSchedule: next step's learning rates, inside this graph
-        stats = {"loss": loss.detach(), "grad_norm": grad_norm.detach()}
+            self.schedule.step()  # next step's learning rates, inside this graph
+        stats = {"loss": loss.detach(), "grad_norm": grad_norm.detach(), "lr": lr.to(loss.device)}
         stats.update({k: v.detach() for k, v in loss_dict.items() if k in ("loss_ce", "loss_bbox", "loss_giou")})
-        unconverged = getattr(self.criterion.matcher, "unconverged", None)
+        unconverged = getattr(matcher, "unconverged", None)
         if unconverged is not None:
             stats["matcher_unconverged"] = unconverged
+            matcher.unconverged = None  # a live pending tensor outside the state would make replay refuse
         self.stat_names = list(stats)
         return torch.stack([v.float() for v in stats.values()])  # one tensor: one transfer at a log point
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Run one step; returns the stats vector named by :attr:`stat_names` (still on the device)."""
+        self.calls += 1
+        if self.mode == "openxla":
+            return self._compiled(batch)
+        if self.mode == "trace":
+            return self._trace(batch)
+        try:
+            if self.calls != CHECK_CALL:
+                return self._replayer(batch)
+            stats, problem = self._replayer.check(batch)
+        except ReplayUnsafe as error:  # refused at trace time: this step's lazy trace is still pending
+            self._fall_back(str(error))
+            torch_xla.sync()  # run it, as trace mode would have
+            return error.result
+        if problem:
+            self._fall_back(problem)
+        return stats
+
+    @property
+    def traces(self) -> int:
+        """How many times the step's Python has run (replay: once per batch signature, plus the check)."""
+        return self._replayer.traces + self._lazy_traces
+
+    def _trace(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        self._lazy_traces += 1
         return self._compiled(batch)
+
+    def _fall_back(self, reason: str) -> None:
+        self.mode, self.fallback_reason = "trace", reason
+        log.warning(
+            "trainer.step_mode=replay is NOT safe for this step and is turned off for the rest of the run: %s. "
+            "Training continues correctly with lazy tracing (trace mode: the step's Python runs every step). Keep "
+            "every per-step value a device tensor to get replay back.", reason,
+        )
 
     def read(self, stats: torch.Tensor) -> dict[str, float]:
         """Bring a step's stats to the host (one device->host transfer; only at log points)."""
         return dict(zip(self.stat_names, stats.cpu().tolist()))
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create Adam/AdamW state on the device before the first step (torch creates it lazily inside step 1).
+
+    Otherwise step 1 traces a graph without optimizer-state inputs and step 2 compiles the steady-state graph again.
+    The tensors inherit each parameter's sharding (``zeros_like``), as the step's own outputs will have it.
+    """
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.device.type != "xla" or optimizer.state.get(p):
+                continue
+            state = {"step": torch.zeros((), dtype=torch.float32, device=p.device)}
+            if not group.get("capturable", False):
+                state["step"] = torch.tensor(0.0)  # torch keeps a CPU step count unless capturable
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad", False):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            optimizer.state[p] = state
+    torch_xla.sync()

@@ -1,13 +1,13 @@
 """Evaluation and prediction on the 4-device CPU mesh, against upstream rfdetr's own eager CPU evaluation.
 
-One short ``fit`` (eval inside it every 20 steps) trains the tiny model; its ``last.pth`` feeds the other tests. Besides
+The session's short ``fit`` (``conftest.fit_run``, eval inside it every 20 steps) trains the tiny model; its
+``last.pth`` feeds the other tests. Besides
 that run's training step, the module compiles one eval program per batch shape (8 for fit/validate/predict, 12 for the
 padded-split test).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 from pathlib import Path
@@ -21,7 +21,8 @@ import torch_xla.debug.metrics as met
 from spmd_rfdetr import evaluate as ev
 from spmd_rfdetr.step import as_samples
 
-FIT_STEPS, EVAL_EVERY = 40, 20
+from conftest import EVAL_EVERY  # tests/ is on sys.path (rootdir conftest, no __init__.py)
+
 SUBSET, EVAL_BATCH = 20, 12  # 20 images in global batches of 12: 12 + 8 padded to 12
 
 
@@ -32,30 +33,6 @@ def counter(name: str) -> int:
 def samples(name: str) -> int:
     data = met.metric_data(name)
     return int(data[0]) if data else 0
-
-
-@pytest.fixture(scope="module")
-def fit_run(tiny, synth_dir, tmp_path_factory):
-    """``fit`` on the mesh for FIT_STEPS steps (LR 4e-4), evaluating every EVAL_EVERY steps.
-
-    Its train split is the valid split (a symlink): the model is scored on images it trained on, so a run this short
-    gives clearly non-zero mAP. The real convergence check (separate splits, configs/cpu.yaml) is run by hand.
-    """
-    from spmd_rfdetr import loop
-
-    base = tmp_path_factory.mktemp("fit")
-    data = base / "data"
-    data.mkdir()
-    for split in ("train", "valid"):
-        (data / split).symlink_to(Path(synth_dir) / "valid", target_is_directory=True)
-    cfg = copy.deepcopy(tiny.cfg)
-    cfg.data.dataset_dir = str(data)
-    cfg.optim.lr = cfg.optim.lr_encoder = 4e-4
-    cfg.trainer.output_dir = str(base / "out")
-    cfg.trainer.max_steps, cfg.trainer.log_every, cfg.trainer.progress_bar = FIT_STEPS, EVAL_EVERY, False
-    cfg.eval.every_steps = EVAL_EVERY
-    loop.fit(cfg)
-    return base / "out"
 
 
 @pytest.fixture(scope="module")
@@ -197,70 +174,26 @@ def test_validate_and_predict_cli_match_eval(fit_run, synth_dir, tmp_path):
 
 def test_fit_evaluates_every_n_steps_and_keeps_best(fit_run):
     records = [json.loads(line) for line in (fit_run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 20, 40]
-    assert [r["step"] for r in records if "eval/mAP" in r] == [20, 40]  # every 20 steps, and the last one
-    for r in records[1:]:
+    assert [r["step"] for r in records] == list(range(1, 2 * EVAL_EVERY + 1))  # log_every=1
+    evals = [r for r in records if "eval/mAP" in r]
+    assert [r["step"] for r in evals] == [EVAL_EVERY, 2 * EVAL_EVERY]  # every 20 steps, and the last one
+    for r in evals:
         assert {"eval/mAP", "eval/mAP50", "eval/mAP75", "eval/mAP_small", "eval/AR1", "eval/AR100", "loss"} <= set(r)
-    assert records[2]["eval/best_mAP"] == max(r["eval/mAP"] for r in records[1:])
-    print("fit eval/mAP50:", [r["eval/mAP50"] for r in records[1:]])
-    # Between the last two records: steps 21-40 (right after the eval at step 20) and the eval at step 40. The only
-    # CompileTime samples are the openxla bridge's 5 cache look-ups (one per eval batch of 8): step 21 reused step 20's
-    # training graph, and neither the eval program nor the parameter refresh compiled again.
-    assert records[2]["xla_compiles"] - records[1]["xla_compiles"] == 5, records[1:]
+    assert evals[1]["eval/best_mAP"] == max(r["eval/mAP"] for r in evals)
+    print("fit eval/mAP50:", [r["eval/mAP50"] for r in evals])
+    # Steps 21-40 (right after the eval at step 20) and the eval at step 40: the only CompileTime samples are the
+    # openxla bridge's 5 cache look-ups (one per eval batch of 8): step 21 replayed step 20's training program, and
+    # neither the eval program nor the parameter refresh compiled again.
+    assert evals[1]["xla_compiles"] - evals[0]["xla_compiles"] == 5, evals
+    assert sum(r["xla_new_compiles"] for r in records[EVAL_EVERY:-1]) == 0, records[EVAL_EVERY:]
     best = torch.load(fit_run / "best.pth", map_location="cpu", weights_only=False)
     assert set(best) == {"model", "optimizer", "step", "config"}
-    assert best["step"] == max(records[1:], key=lambda r: r["eval/mAP"])["step"]
+    assert best["step"] == max(evals, key=lambda r: r["eval/mAP"])["step"]
     saved = json.loads((fit_run / "eval" / "step0000020_coco_eval.json").read_text())
-    assert saved["num_images"] == 40 and saved["stats"]["mAP"] == records[1]["eval/mAP"]
+    assert saved["num_images"] == 40 and saved["stats"]["mAP"] == evals[0]["eval/mAP"]
 
     from spmd_rfdetr.evaluate import FitEvaluation
 
     due = FitEvaluation(None, every_steps=100, output_dir=fit_run).due  # type: ignore[arg-type]
     assert [s for s in range(1, 251) if due(s, 250)] == [100, 200, 250]
     assert not any(FitEvaluation(None, 0, fit_run).due(s, 250) for s in range(1, 251))  # type: ignore[arg-type]
-
-
-def test_openxla_training_still_wrong_and_fit_refuses_it(tiny):
-    """shared/repro/openxla_spmd_grad.py as a test. When torch_xla fixes the bug the first assert fails: then allow
-    trainer.compile_backend=openxla (config.validate) and flip this test."""
-    import torch_xla.distributed.spmd as xs
-
-    from spmd_rfdetr import loop
-    from spmd_rfdetr.config import OPENXLA_TRAINING_REFUSED, ConfigError
-    from spmd_rfdetr.mesh import build_mesh
-
-    def net():
-        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-
-    def step(m, x, y):
-        loss = torch.nn.functional.mse_loss(m(x), y)
-        loss.backward()
-        return loss
-
-    torch.manual_seed(0)
-    ref, model = net(), net().to(torch_xla.device())
-    model.load_state_dict(ref.state_dict())
-    compiled, mesh = torch.compile(step, backend="openxla"), build_mesh()
-    diffs = []
-    for i in range(3):
-        g = torch.Generator().manual_seed(i)
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-        ref.zero_grad()
-        step(ref, x, y)
-        xx, yy = x.to(torch_xla.device()), y.to(torch_xla.device())
-        xs.mark_sharding(xx, mesh, ("data", None))
-        xs.mark_sharding(yy, mesh, ("data", None))
-        model.zero_grad(set_to_none=True)
-        compiled(model, xx, yy)
-        torch_xla.sync()
-        pairs = zip(model.parameters(), ref.parameters())
-        diffs.append(max((p.grad.cpu() - q.grad).abs().max().item() for p, q in pairs))
-    print("openxla training under SPMD, max |grad - eager grad| per call:", diffs)
-    assert diffs[0] < 1e-5, diffs
-    assert max(diffs[1:]) > 1e-2, f"torch_xla now trains correctly with openxla under SPMD: {diffs}; allow it"
-
-    cfg = copy.deepcopy(tiny.cfg)
-    cfg.trainer.compile_backend = "openxla"
-    with pytest.raises(ConfigError) as refused:
-        loop.fit(cfg)
-    assert OPENXLA_TRAINING_REFUSED in str(refused.value)

@@ -1,0 +1,224 @@
+"""Trace a training step once, then replay its compiled XLA program: the step's Python runs once per input signature.
+
+Lazy tracing (``torch_xla.compile``) re-runs the whole step in Python every step to rebuild the graph before it finds
+the compiled program in its cache: about 0.6 s of host time per Nano step, while a TPU chip executes it in tens of
+milliseconds. :class:`Replayer` traces ``fn`` once, compiles the graph without executing it, then runs the cached
+program with ``torch_xla._XLAC._run_cached_graph`` (what torch_xla's dynamo bridge does) and swaps each result into the
+tensor it updates with ``_replace_xla_tensor`` (``copy_`` would leave pending IR under SPMD).
+
+Rules the traced function must follow (checked where they can be):
+- Everything it updates in place (parameters, gradients, optimizer state, device LRs) is listed by ``state()``; a
+  live tensor it leaves pending outside that list makes the trace refuse replay (:class:`ReplayUnsafe`, after which
+  ``torch_xla.sync()`` runs that step's lazy trace).
+- Every per-step value is a device tensor. A Python number becomes a graph constant frozen at trace time;
+  :meth:`Replayer.check` traces a second step and compares the graph hash and every constant's value.
+- The RNG seed is a graph input advanced per replay, as the dynamo bridge does.
+A batch with another signature (shapes, dtypes, shardings) is traced and compiled as a new program, never run on the
+wrong one.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+
+log = logging.getLogger(__name__)
+_X = torch_xla._XLAC
+
+Signature = tuple[tuple[str, tuple[int, ...], torch.dtype, str], ...]
+
+
+class ReplayUnsafe(RuntimeError):
+    """The traced step cannot be replayed faithfully (the message says why); run it with lazy tracing instead.
+
+    ``result`` is the step's lazily traced result: ``torch_xla.sync()`` runs that trace, so the step is not lost.
+    """
+
+    def __init__(self, message: str, result: torch.Tensor | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass
+class Program:
+    """One compiled step: where each graph input comes from and which tensors its outputs replace."""
+
+    graph_hash: Any
+    slots: list[tuple[str, Any]]  # per graph input: ("batch", name) | ("state", t) | ("seed", device) | ("const", t)
+    targets: list[torch.Tensor | None]  # per graph output: the tensor it replaces; None = the step's result
+    text: str  # the traced IR, to compare traces (the hash also covers sharding metadata that replays change)
+
+    def constants(self) -> list[torch.Tensor]:
+        return [value for kind, value in self.slots if kind == "const"]
+
+
+def signature(batch: dict[str, torch.Tensor]) -> Signature:
+    """Shapes, dtypes and shardings of a batch: one compiled program per signature."""
+    return tuple(
+        (name, tuple(t.shape), t.dtype, _X._get_xla_sharding_spec(t)) for name, t in sorted(batch.items())
+    )
+
+
+class Replayer:
+    """``fn(batch) -> tensor`` traced once per batch signature, then replayed as one cached XLA program per call.
+
+    Args:
+        fn: the step; it updates ``state()`` in place and returns one tensor (e.g. a stats vector).
+        state: the tensors ``fn`` reads and updates (called before and after the trace: gradients appear in it).
+    """
+
+    def __init__(self, fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                 state: Callable[[], list[torch.Tensor]]) -> None:
+        self.fn, self.state = fn, state
+        self.programs: dict[Signature, Program] = {}
+        self.traces = 0  # how many times fn's Python ran (first call per signature, plus checks)
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        program = self.programs.get(signature(batch))
+        if program is None:
+            program, inputs = self._trace_and_compile(batch)
+        else:
+            inputs = [self._input(program, slot, batch) for slot in program.slots]
+        return self._run(program, inputs)
+
+    def check(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, str]:
+        """Trace this step again instead of replaying it; returns (result, problem), where ``problem`` says how the
+        graph or one of its constants differs from the first trace's ('' if not: a per-step Python value was baked
+        into the program). Either way this step runs what its own trace says."""
+        key = signature(batch)
+        first = self.programs.get(key)
+        if first is None:
+            return self(batch), ""
+        second, inputs, outputs = self.trace(batch)
+        problem = _difference(first, second)
+        if problem:
+            _X._xla_warm_up_cache(outputs, [])
+            self.programs[key] = second
+            return self._run(second, inputs), problem
+        # The same graph: the compiled program, with this trace's inputs and output tensors (its gradients are new).
+        # Its hash may differ (torch_xla also hashes the outputs' sharding metadata, which replayed results carry
+        # differently), so it is not compiled again.
+        self.programs[key] = Program(first.graph_hash, second.slots, second.targets, first.text)
+        return self._run(self.programs[key], inputs), ""
+
+    def _trace_and_compile(self, batch: dict[str, torch.Tensor]) -> tuple[Program, list[torch.Tensor]]:
+        program, inputs, outputs = self.trace(batch)
+        _X._xla_warm_up_cache(outputs, [])  # compile (or find in the cache); nothing executes
+        self.programs[signature(batch)] = program
+        return program, inputs
+
+    def trace(self, batch: dict[str, torch.Tensor]) -> tuple[Program, list[torch.Tensor], list[torch.Tensor]]:
+        """Run ``fn`` lazily (execution disallowed); returns its program (not compiled yet), this step's inputs (the
+        pre-step data of everything the graph reads) and the graph's output tensors (still pending)."""
+        torch_xla.sync()
+        xm.wait_device_ops()
+        names = sorted(batch)
+        before = self.state()
+        replicate_unannotated(before)
+        slot_of = {_X._xla_get_tensor_id(batch[n]): ("batch", n) for n in names}
+        slot_of.update({_X._xla_get_tensor_id(t): ("state", t) for t in before})
+        allowed = _X._get_allow_execution()
+        _X._set_allow_execution(False)  # a host sync inside fn raises instead of silently cutting the graph
+        try:
+            result = self.fn(batch)
+        finally:
+            _X._set_allow_execution(allowed)
+        self.traces += 1
+        candidates = [*self.state(), result]
+        pending = _X._check_tensor_need_materialization(candidates)
+        outputs = [t for t, p in zip(candidates, pending) if p]
+        stray = _stray_pending(outputs)
+        if stray:  # the lazy trace is left pending: a sync runs this step as trace mode would
+            raise ReplayUnsafe(
+                f"the step left {len(stray)} tensor(s) with pending work outside its state (parameters, gradients, "
+                f"optimizer state, schedule), shapes {[tuple(t.shape) for t in stray[:5]]}: a replay would not "
+                "update them", result,
+            )
+        ids, values = _X._get_tensors_xla_device_data_node(outputs)
+        seed_id = _X._get_seed_info_id()
+        slots: list[tuple[str, Any]] = []
+        for tensor_id, value in zip(ids, values):
+            if tensor_id == seed_id:
+                slots.append(("seed", str(value.device)))
+            else:
+                slots.append(slot_of.get(tensor_id, ("const", value)))
+        del before, slot_of  # keep only the inputs the graph reads alive (not e.g. last step's gradients)
+        targets = [None if t is result else t for t in outputs]
+        program = Program(_X._get_graph_hash(outputs), slots, targets, _X._get_xla_tensors_text(outputs))
+        return program, list(values), outputs
+
+    @staticmethod
+    def _input(program: Program, slot: tuple[str, Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        kind, value = slot
+        if kind == "batch":
+            return batch[value]
+        if kind == "state":
+            return value
+        if kind == "seed":  # a fresh seed per replay, advanced as torch_xla.sync() would
+            seed = _X._get_base_seed_as_tensor(value)
+            xm.set_rng_state((1012031 + _X._xla_get_rng_seed() * 7012063) % 18446744073709551615, value)
+            return seed
+        return value
+
+    @staticmethod
+    def _run(program: Program, inputs: list[torch.Tensor]) -> torch.Tensor:
+        results = _X._run_cached_graph(program.graph_hash, inputs)  # asynchronous: placeholders until it finishes
+        out = None
+        for target, value in zip(program.targets, results):
+            if target is None:
+                out = value
+            else:
+                target.data = value
+        assert out is not None
+        return out
+
+
+def replicate_unannotated(tensors: list[torch.Tensor]) -> None:
+    """Annotate unannotated state tensors (0-dim ones: learning rates, step counts) replicated on the global mesh.
+
+    Replayed results come back annotated ``{replicated}``; an input left unannotated at the first trace would make the
+    second trace differ from it (pytorch/xla#9755 is the same mismatch in the dynamo bridge).
+    """
+    import torch_xla.distributed.spmd as xs
+
+    mesh = xs.get_global_mesh()
+    if mesh is None:
+        return
+    for t in tensors:
+        if t.device.type == "xla" and not _X._get_xla_sharding_spec(t):
+            xs.mark_sharding(t, mesh, (None,) * t.dim())
+
+
+def _stray_pending(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Python-reachable XLA tensors with pending work that are not among ``outputs`` (one scan, at trace time)."""
+    known = {id(t) for t in outputs}
+    gc.collect()
+    candidates = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter) and id(o) not in known]
+    candidates = [t for t in candidates if t.device.type == "xla"]
+    pending = _X._check_tensor_need_materialization(candidates) if candidates else []
+    return [t for t, p in zip(candidates, pending) if p]
+
+
+def _difference(first: Program, second: Program) -> str:
+    """Why two traces of the same step differ ('' if they do not): the graph, or the value of a constant input."""
+    if first.text != second.text:
+        return "the second step traced a different graph than the first (a Python value changed its operations)"
+    a, b = first.constants(), second.constants()
+    if len(a) != len(b):
+        return f"the second step's graph has {len(b)} constant inputs, the first's {len(a)}"
+    if any(x.shape != y.shape or x.dtype != y.dtype for x, y in zip(a, b)):
+        return "the second step's graph has constant inputs of other shapes than the first's"
+    host = _X._xla_get_cpu_tensors(a + b)  # one batched read, once per run
+    changed = [i for i in range(len(a)) if not torch.equal(host[i], host[len(a) + i])]
+    if changed:
+        shapes = ", ".join(str(tuple(a[i].shape)) for i in changed[:5])
+        return (f"{len(changed)} constant input(s) of the step changed value between steps (shapes {shapes}): a "
+                "Python number that changes per step is baked into the program")
+    return ""

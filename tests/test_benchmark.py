@@ -1,14 +1,17 @@
-"""benchmarks/run.py end to end on the tiny model: ours vs upstream rfdetr, each side in its own subprocess.
+"""benchmarks/run.py end to end on the tiny model: ours (in both step modes) vs upstream rfdetr, each in its own
+subprocess; and its ``--loader`` mode on the session's synthetic dataset.
 
 The script runs as a subprocess (it starts its own children: SPMD is process-global), on the tiny model of
-``conftest.TINY_MODEL`` (via ``configs/cpu.yaml``), 1 warm-up + 2 timed steps, with ``--fast-compile`` (XLA CPU codegen
-without LLVM optimisation: the counters checked here do not depend on it, compile time halves).
+``conftest.TINY_MODEL`` (via ``configs/cpu.yaml``), 2 warm-up + 2 timed steps, ``--step-mode replay,trace``, with
+``--fast-compile`` (XLA CPU codegen without LLVM optimisation: the counters checked here do not depend on it, compile
+time halves). ``--loader`` needs no XLA and runs in this process.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +21,10 @@ import pytest
 from conftest import TINY_MODEL  # tests/ is on sys.path (rootdir conftest, no __init__.py)
 
 ROOT = Path(__file__).resolve().parents[1]
-SIDE_KEYS = ("step_time_median_s", "loop_step_time_s", "graphs_per_step", "transfers_per_step", "compiles", "images_per_sec")
+SIDE_KEYS = ("step_time_median_s", "loop_step_time_s", "graphs_per_step", "transfers_per_step", "compiles", "images_per_sec",
+             "host_time_median_s", "execute_time_per_step_s", "outside_execution_per_step_s", "compiles_per_step")
+MODES = ("replay", "trace")
+WARMUP, STEPS = 2, 2  # step 2 is replay's check trace: keep it out of the timed steps
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +34,9 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, str]:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--config", str(ROOT / "configs" / "cpu.yaml"),
            "--resolution", str(TINY_MODEL.resolution), "--queries", str(TINY_MODEL.num_queries),
            "--group-detr", str(TINY_MODEL.group_detr), "--dec-layers", str(TINY_MODEL.dec_layers),
-           "--batch", "4", "--targets", "4", "--devices", "4", "--warmup", "1", "--steps", "2",
-           "--compare", "upstream", "--no-flops", "--fast-compile", "--json", str(json_path), "--plot", str(plot_path)]
+           "--batch", "4", "--targets", "4", "--devices", "4", "--warmup", str(WARMUP), "--steps", str(STEPS),
+           "--compare", "upstream", "--step-mode", ",".join(MODES), "--no-flops", "--fast-compile",
+           "--json", str(json_path), "--plot", str(plot_path)]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_USE_BF16", "PT_XLA_DEBUG_LEVEL")}
     env["PJRT_DEVICE"] = env.get("PJRT_DEVICE", "CPU")
     if env["PJRT_DEVICE"] != "CPU":
@@ -42,11 +49,15 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, str]:
 @pytest.mark.slow
 def test_json_has_both_sides_and_the_resolved_config(bench) -> None:
     result, _, _ = bench
-    for side in ("ours", "upstream"):
+    sides = {"upstream": result["upstream"], **{f"ours {m}": result["ours_by_mode"][m] for m in MODES}}
+    for name, side in sides.items():
         for key in SIDE_KEYS:
-            assert isinstance(result[side][key], (int, float)), (side, key)
-        assert result[side]["timed_steps"] == 2 and result[side]["warmup_steps"] == 1
-        assert len(result[side]["per_step"]) == 3
+            assert isinstance(side[key], (int, float)), (name, key)
+        assert side["timed_steps"] == STEPS and side["warmup_steps"] == WARMUP
+        assert len(side["per_step"]) == WARMUP + STEPS
+        assert side["outside_execution_per_step_s"] == pytest.approx(
+            side["loop_step_time_s"] - side["loop_execute_time_per_step_s"])
+    assert result["ours"] == result["ours_by_mode"][MODES[0]]  # backward compatible: the first mode
     assert result["ratio_step_time"] == pytest.approx(
         result["ours"]["step_time_median_s"] / result["upstream"]["step_time_median_s"])
     model = result["config"]["model"]
@@ -75,7 +86,57 @@ def test_ours_is_one_graph_without_transfers_upstream_is_not(bench) -> None:
 
 
 @pytest.mark.slow
+def test_both_step_modes_ran_one_graph_and_agree(bench) -> None:
+    result, _, stdout = bench
+    assert result["bench"]["step_modes"] == list(MODES)
+    assert set(result["ours_by_mode"]) == set(MODES) and set(result["ratios_by_mode"]) == set(MODES)
+    calls = WARMUP + 2 * STEPS  # timed steps, then as many back to back
+    for mode in MODES:
+        side = result["ours_by_mode"][mode]
+        assert side["step_mode"] == mode and side["step_calls"] == calls
+        assert side["graphs_per_step"] == 1 and side["transfers_per_step"] == 0, mode
+        assert side["loop_graphs_per_step"] == 1 and side["loop_transfers_per_step"] == 0, mode
+        assert f"ours {mode} (" in stdout  # one column per mode
+    trace = result["ours_by_mode"]["trace"]
+    assert trace["step_mode_used"] == "trace"
+    assert trace["python_traces"] == calls  # lazy tracing runs the step's Python every call
+    # same program, same initial weights, same batches
+    assert result["ours_by_mode"]["replay"]["losses"][0] == pytest.approx(trace["losses"][0], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_replay_traced_once_and_replayed(bench) -> None:
+    replay = bench[0]["ours_by_mode"]["replay"]
+    assert replay["step_mode_used"] == "replay", f"replay fell back: {replay['step_mode_fallback_reason']}"
+    assert 1 <= replay["python_traces"] <= 2  # traced once, plus the check at step 2
+    assert replay["loop_python_traces_per_step"] == 0
+
+
+@pytest.mark.slow
 def test_plot_is_written(bench) -> None:
     _, plot_path, _ = bench
     assert plot_path.exists() and plot_path.stat().st_size > 10_000
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_loader_reports_images_per_sec_per_worker(synth_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``--loader`` on the synthetic dataset: rfdetr's transforms, 0 and 1 DataLoader workers, no XLA runtime."""
+    import torch_xla
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # run.py puts benchmarks/ on it
+    monkeypatch.setenv("PJRT_DEVICE", os.environ.get("PJRT_DEVICE", "CPU"))
+    runtime_before = torch_xla._XLAC._xla_runtime_is_initialized()
+    json_path = tmp_path / "loader.json"
+    run = runpy.run_path(str(ROOT / "benchmarks" / "run.py"), run_name="benchmarks_run")
+    run["main"](["--config", str(ROOT / "configs" / "cpu.yaml"), "--loader", "--dataset-dir", synth_dir,
+                 "--resolution", str(TINY_MODEL.resolution), "--batch", "4", "--loader-workers", "0,1",
+                 "--loader-batches", "2", "--json", str(json_path)])
+    result = json.loads(json_path.read_text())
+    assert result["benchmark"] == "loader" and result["resolution"] == TINY_MODEL.resolution
+    assert [r["workers"] for r in result["rows"]] == [0, 1]
+    for row in result["rows"]:
+        assert row["images"] == 8 and row["images_per_sec"] > 0 and row["images_per_sec_per_worker"] > 0
+    if not runtime_before:
+        assert not result["xla_runtime_started"]
+    assert "| DataLoader workers |" in capsys.readouterr().out

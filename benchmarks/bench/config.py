@@ -31,6 +31,8 @@ STEP_MODES: dict[str, StepMode] = {
                        {"step_mode": "replay"}),
     "trace": StepMode("torch_xla.compile(full_graph=True): lazy tracing of the step's Python every step",
                       {"step_mode": "trace"}),
+    "openxla": StepMode("torch.compile(backend='openxla') with spmd_rfdetr's SPMD bridge fix: dynamo graphs per step",
+                        {"compile_backend": "openxla"}),
 }
 
 

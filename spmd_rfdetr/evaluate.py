@@ -554,7 +554,7 @@ def evaluator_for(cfg: RunConfig, cfgs: Any, model: torch.nn.Module, fabric: Any
 def _load_for_inference(cfg: RunConfig, checkpoint: str) -> tuple[Any, Any, torch.nn.Module]:
     """Runtime + Fabric + rfdetr model with the checkpoint's weights, on the mesh: (fabric, upstream configs, model)."""
     from spmd_rfdetr.config import validate as validate_config
-    from spmd_rfdetr.loop import PRECISIONS, setup_runtime
+    from spmd_rfdetr.runtime import PRECISIONS, setup_runtime
 
     setup_runtime(cfg.mesh)
     import torch_xla.runtime as xr

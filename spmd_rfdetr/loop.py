@@ -4,28 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from pathlib import Path
 
 import yaml
 
-from spmd_rfdetr.config import MeshOptions, RunConfig, validate
+from spmd_rfdetr.config import RunConfig, validate
+from spmd_rfdetr.runtime import PRECISIONS, setup_runtime
 
 log = logging.getLogger(__name__)
-
-PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed"}
-
-
-def setup_runtime(mesh: MeshOptions) -> None:
-    """Choose the PJRT device (before the XLA runtime starts) and switch the process to SPMD."""
-    if mesh.cpu_devices is not None and "PJRT_DEVICE" not in os.environ:
-        os.environ["PJRT_DEVICE"] = "CPU"
-        os.environ["CPU_NUM_DEVICES"] = str(mesh.cpu_devices)
-    import torch_xla.runtime as xr
-
-    if not xr.is_spmd():
-        xr.use_spmd()
 
 
 def fit(cfg: RunConfig) -> Path:

@@ -12,7 +12,6 @@ from typing import Any
 PEAK_BF16_TFLOPS = {"v3": 123.0, "v4": 275.0, "v5e": 197.0, "v5p": 459.0, "v6e": 918.0}
 #: XLA devices per chip (v2/v3 expose each of a chip's two TensorCores as a device; later chips are megacore).
 DEVICES_PER_CHIP = {"v2": 2, "v3": 2}
-PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed"}
 DEFAULT_NUM_CLASSES = 90  # rfdetr's default class count (COCO ids)
 
 

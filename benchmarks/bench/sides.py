@@ -13,7 +13,9 @@ import sys
 import time
 from typing import Any
 
-from .config import PRECISIONS, STEP_MODES, apply_step_mode, run_config_from_dict
+from spmd_rfdetr.runtime import PRECISIONS
+
+from .config import STEP_MODES, apply_step_mode, run_config_from_dict
 from .measure import (
     Counters,
     PythonTraces,

@@ -77,6 +77,9 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     apply_step_mode(cfg, mode)
     cfg.trainer.max_steps = SCHEDULE_STEPS
     cfg.trainer.matcher = "device"  # the one-graph step (upstream's SciPy path is the other side)
+    # a constant LR as upstream runs here, so the two sides' losses stay comparable (the schedule is still computed on
+    # the device inside the step: a factor of 1 every step)
+    cfg.optim.warmup_steps, cfg.optim.schedule = 0, "constant"
     devices = xr.global_runtime_device_count()
     if spec.get("expect_devices") and spec["expect_devices"] != devices:
         raise SystemExit(f"--devices {spec['expect_devices']} but the XLA runtime sees {devices} devices; on a TPU "

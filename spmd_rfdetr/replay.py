@@ -55,8 +55,25 @@ class Program:
     targets: list[torch.Tensor | None]  # per graph output: the tensor it replaces; None = the step's result
     text: str  # the traced IR, to compare traces (the hash also covers sharding metadata that replays change)
 
+    def __post_init__(self) -> None:
+        # per replay only the batch and the seed change: the rest of the input list is built once
+        self.fixed = [value if kind in ("state", "const") else None for kind, value in self.slots]
+        self.batch_slots = [(i, value) for i, (kind, value) in enumerate(self.slots) if kind == "batch"]
+        self.seed_slots = [(i, value) for i, (kind, value) in enumerate(self.slots) if kind == "seed"]
+        self.result_index = next(i for i, t in enumerate(self.targets) if t is None)
+
     def constants(self) -> list[torch.Tensor]:
         return [value for kind, value in self.slots if kind == "const"]
+
+    def inputs(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """This replay's graph inputs: the state as it is now, the batch, a fresh RNG seed."""
+        inputs = list(self.fixed)
+        for i, name in self.batch_slots:
+            inputs[i] = batch[name]
+        for i, device in self.seed_slots:  # a fresh seed per replay, advanced as torch_xla.sync() would
+            inputs[i] = _X._get_base_seed_as_tensor(device)
+            xm.set_rng_state((1012031 + _X._xla_get_rng_seed() * 7012063) % 18446744073709551615, device)
+        return inputs
 
 
 def signature(batch: dict[str, torch.Tensor]) -> Signature:
@@ -85,7 +102,7 @@ class Replayer:
         if program is None:
             program, inputs = self._trace_and_compile(batch)
         else:
-            inputs = [self._input(program, slot, batch) for slot in program.slots]
+            inputs = program.inputs(batch)
         return self._run(program, inputs)
 
     def check(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, str]:
@@ -141,7 +158,12 @@ class Replayer:
                 f"optimizer state, schedule), shapes {[tuple(t.shape) for t in stray[:5]]}: a replay would not "
                 "update them", result,
             )
-        ids, values = _X._get_tensors_xla_device_data_node(outputs)
+        # Inputs the step only reads are passed as "uncloned": torch_xla then hands them back as they are instead of
+        # wrapping their data in a new tensor, which under SPMD relabels the data with the wrapper's id (the openxla
+        # bridge bug of openxla_fix.py) and would hide them from the next trace's matching.
+        written = {id(t) for t in outputs}
+        read_only = [batch[n] for n in names] + [t for t in before if id(t) not in written]
+        ids, values = _X._get_tensors_xla_device_data_node(outputs, read_only)
         seed_id = _X._get_seed_info_id()
         slots: list[tuple[str, Any]] = []
         for tensor_id, value in zip(ids, values):
@@ -155,29 +177,13 @@ class Replayer:
         return program, list(values), outputs
 
     @staticmethod
-    def _input(program: Program, slot: tuple[str, Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        kind, value = slot
-        if kind == "batch":
-            return batch[value]
-        if kind == "state":
-            return value
-        if kind == "seed":  # a fresh seed per replay, advanced as torch_xla.sync() would
-            seed = _X._get_base_seed_as_tensor(value)
-            xm.set_rng_state((1012031 + _X._xla_get_rng_seed() * 7012063) % 18446744073709551615, value)
-            return seed
-        return value
-
-    @staticmethod
     def _run(program: Program, inputs: list[torch.Tensor]) -> torch.Tensor:
         results = _X._run_cached_graph(program.graph_hash, inputs)  # asynchronous: placeholders until it finishes
-        out = None
         for target, value in zip(program.targets, results):
-            if target is None:
-                out = value
-            else:
-                target.data = value
-        assert out is not None
-        return out
+            if target is not None:
+                target.data = value  # not _replace_xla_tensor: that keeps the old tensor id, and the data's own id
+                # would no longer match it in a later trace
+        return results[program.result_index]
 
 
 def replicate_unannotated(tensors: list[torch.Tensor]) -> None:

@@ -214,3 +214,17 @@ def test_another_batch_signature_traces_its_own_program(mesh_trainer):
     assert totals == [32.0, 64.0, 96.0, 128.0, 160.0]  # 8 per element added each step, whichever program ran
     assert replayer.traces == 3 and len(replayer.programs) == 3
     assert xla_counters()["xla_compiles"] - before == 3
+
+
+def test_an_input_the_step_only_reads_is_read_fresh_after_the_check(mesh_trainer):
+    """A state tensor the step reads but never writes (a frozen weight, a learning rate set by hand) stays matched to
+    its tensor across traces: a replay after the step-2 check sees a new value set between steps, not a stale copy."""
+    weight, scale = torch.zeros(4).to(torch_xla.device()), torch.ones(4).to(torch_xla.device())
+    torch_xla.sync()
+    replayer = Replayer(lambda b: weight.add_(b["x"].sum(0) * scale).sum(), lambda: [weight, scale])
+    x = mesh_trainer.to_device({"x": torch.ones(8, 4)})
+    assert replayer(x).cpu().item() == 32.0  # traced: every weight 8
+    result, problem = replayer.check(x)
+    assert problem == "" and result.cpu().item() == 64.0
+    scale.data = torch.full((4,), 2.0).to(torch_xla.device())  # set outside the step
+    assert replayer(x).cpu().item() == 128.0 and replayer.traces == 2  # replayed with scale 2: every weight 32

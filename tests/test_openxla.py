@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OPENXLA_STEPS = 5
 
 
-def openxla_grad_errors(mesh, calls: int = 4) -> list[float]:
+def openxla_grad_errors(mesh, calls: int = 5) -> list[float]:
     """max |grad - eager grad| per call of a torch.compile(openxla)'d forward+backward on a sharded batch."""
 
     def net() -> torch.nn.Module:

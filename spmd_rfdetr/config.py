@@ -52,7 +52,10 @@ class DataOptions:
     num_workers: int = 2
     """DataLoader worker processes."""
     prefetch: int = 2
-    """Batches loaded and sent to the device ahead of the step in a background thread (0: load synchronously)."""
+    """Batches loaded and sent to the device ahead of the step in a background thread (0: load synchronously). With
+    ``num_workers: 0`` that thread also runs rfdetr's random augmentations on torch's global host RNG, shared with
+    the main thread (``compile_backend: openxla`` compiles draw from it): for bit-reproducible batches there, use
+    worker processes or 0 here."""
     multi_scale: bool = False
     """Upstream multi-scale augmentation. Every new shape compiles a new XLA graph: keep it off on TPU."""
 

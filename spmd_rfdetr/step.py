@@ -116,7 +116,7 @@ class TrainStep:
             tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
         if self.schedule is not None:
             tensors += self.schedule.tensors()
-        return tensors
+        return [t for t in tensors if t.device.type == "xla"]
 
     def _step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
@@ -195,12 +195,16 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return
     for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.device.type != "xla" or optimizer.state.get(p):
+        on_xla = [p for p in group["params"] if p.device.type == "xla"]
+        if on_xla and not group.get("capturable", False) and not any(optimizer.state.get(p) for p in on_xla):
+            # the same update, with the step count on the device: a CPU step count would turn each step's bias
+            # corrections into Python numbers baked into the graph (a recompile, or a stale replay)
+            group["capturable"] = True
+            log.info("AdamW param group set to capturable=True (its step count lives on the XLA device)")
+        for p in on_xla:
+            if optimizer.state.get(p):
                 continue
             state = {"step": torch.zeros((), dtype=torch.float32, device=p.device)}
-            if not group.get("capturable", False):
-                state["step"] = torch.tensor(0.0)  # torch keeps a CPU step count unless capturable
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if group.get("amsgrad", False):

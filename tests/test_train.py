@@ -71,11 +71,11 @@ def test_parity_with_upstream_eager_step(tiny, mesh_trainer):
 
 
 def test_two_steps_finite_bool_masks_no_cpu_fallbacks(tiny, mesh_trainer):
-    mesh_trainer.backbone_mask_dtypes.clear()
     for i in range(2):
         stats = mesh_trainer.step.read(mesh_trainer.step(mesh_trainer.to_device(tiny.batches[i])))
         assert torch.isfinite(torch.tensor(stats["loss"])), stats
-    assert mesh_trainer.backbone_mask_dtypes == [torch.bool, torch.bool]
+    # the backbone saw bool masks whenever the step's Python ran (replay: at its traces, not at every step)
+    assert mesh_trainer.backbone_mask_dtypes and set(mesh_trainer.backbone_mask_dtypes) == {torch.bool}
     assert aten_fallbacks() == {}, aten_fallbacks()
     assert not [n for n in met.counter_names() if "grid_sampler" in n]
 
@@ -100,6 +100,7 @@ def test_steady_state_one_graph_no_transfers_no_recompiles(tiny, mesh_trainer):
         mesh_trainer.step(mesh_trainer.to_device(tiny.batches[i]))
     batches = [mesh_trainer.to_device(b) for b in tiny.batches[:5]]
     torch_xla.sync()
+    xm.wait_device_ops()  # a warm-up step still running would be counted in the window (replays are asynchronous)
     before = xla_counters()
     outputs = [mesh_trainer.step(b) for b in batches]
     xm.wait_device_ops()  # executions are counted when they finish; waiting transfers nothing

@@ -15,13 +15,13 @@ from .children import default_devices, on_cpu_host, run_child
 from .report import comparison_table, default_stem, hardware_tag, mfu, plot_scaling, plot_steps, write_json
 
 #: Keys of a side compared ours/upstream in the JSON's ``ratios``.
-RATIO_KEYS = ("step_time_median_s", "loop_step_time_s", "host_time_median_s", "outside_execution_per_step_s",
+RATIO_KEYS = ("step_time_median_s", "loop_step_time_s", "host_time_median_s", "not_executing_per_step_s",
               "images_per_sec", "images_per_sec_per_chip", "graphs_per_step", "transfers_per_step", "compiles",
               "compile_time_s")
 
 
 def _ratios(ours: dict[str, Any], upstream: dict[str, Any]) -> dict[str, float | None]:
-    return {k: (ours[k] / upstream[k] if upstream.get(k) else None) for k in RATIO_KEYS}
+    return {k: (ours[k] / upstream[k] if upstream.get(k) and ours.get(k) is not None else None) for k in RATIO_KEYS}
 
 
 def main_compare(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -118,7 +118,7 @@ def main_scaling(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
                                                "host_time_median_s", "images_per_sec", "images_per_sec_per_chip",
                                                "graphs_per_step", "transfers_per_step", "compiles",
                                                "compile_time_s", "loop_step_time_s",
-                                               "outside_execution_per_step_s", "step_mode", "step_mode_used")},
+                                               "not_executing_per_step_s", "step_mode", "step_mode_used")},
                        "run": side})
     base = points[0]
     for p in points:

@@ -137,8 +137,14 @@ def summarize(records: list[dict], global_batch: int, chips: float, loop: dict[s
         "loop_transfers_per_step": loop["transfers"],
         "loop_compiles_per_step": loop["compiles"],
         # what the host adds to a step in a training loop: tracing, dispatch, transfers, host work not hidden
-        # behind the device's execution
-        "outside_execution_per_step_s": loop["step_s"] - loop["execute_s"],
+        # behind the device's execution. None when the loop's executions were queued asynchronously (replay,
+        # openxla): torch_xla times each from its enqueue, so they overlap and add up to more than the loop's time.
+        "outside_execution_per_step_s": (loop["step_s"] - loop["execute_s"]
+                                         if loop["execute_s"] <= loop["step_s"] else None),
+        # the same from the timed steps (one at a time, each waited for): wall time not spent executing a graph; None
+        # where a step's own executions overlap (openxla queues its ~30 graphs)
+        "not_executing_per_step_s": (median - timed_total("execute_s") / n
+                                     if timed_total("execute_s") / n <= median else None),
     }
     if "python_traces" in timed[0]:
         out["python_traces_per_step"] = timed_total("python_traces") / n

@@ -22,6 +22,8 @@ def fit(cfg: RunConfig) -> Path:
 
     validate(cfg, xr.global_runtime_device_count())
 
+    import torch_xla.core.xla_model as xm
+
     from spmd_rfdetr.build import build_trainer
     from spmd_rfdetr.data import build_split, check_overflow, forever, make_loader, num_classes_in
     from spmd_rfdetr.evaluate import fit_evaluation
@@ -61,6 +63,7 @@ def fit(cfg: RunConfig) -> Path:
         eval_now = evaluation is not None and evaluation.due(step, t.max_steps)  # an eval step is also a log point
         if step == 1 or step % t.log_every == 0 or step == t.max_steps or eval_now:
             values = step_fn.read(stats)
+            xm.wait_device_ops()  # replayed steps run asynchronously: let the counters below see every one finish
             elapsed = time.perf_counter() - window_start
             record = {
                 "step": step,

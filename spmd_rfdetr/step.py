@@ -6,8 +6,8 @@ Two ways to run it (``trainer.step_mode``):
   compared with the first; a difference (a per-step Python value baked into the graph) falls back to ``trace``.
 - ``trace``: ``torch_xla.compile`` (lazy tracing) re-runs the step's Python every step and finds the program in the
   compilation cache.
-Either way execution is disallowed while tracing, so a stray host sync (an ``.item()``, a CPU fallback) raises instead
-of silently cutting the graph.
+In both, execution is disallowed while tracing, so a stray host sync (an ``.item()``, a CPU fallback) raises instead
+of silently cutting the graph. A third mode:
 - ``openxla`` (``trainer.compile_backend=openxla``): ``torch.compile(backend="openxla")`` with the bridge fix of
   :mod:`spmd_rfdetr.openxla_fix` (without it torch_xla 2.9 gives stale weight gradients under SPMD). Dynamo splits the
   step at ``backward()`` and wherever it cannot trace, so it runs several programs per step.
@@ -73,7 +73,7 @@ class TrainStep:
         schedule: stepped inside the program (e.g. :class:`~spmd_rfdetr.model.DeviceLRSchedule`); its
             ``tensors()`` are part of the step's state.
         full_graph: ``False`` allows host syncs inside the step (``trainer.matcher=scipy``); it implies ``trace``.
-        mode: ``replay`` or ``trace`` (module docstring).
+        mode: ``replay``, ``trace`` or ``openxla`` (module docstring).
     """
 
     def __init__(
@@ -91,7 +91,6 @@ class TrainStep:
         self.model, self.criterion, self.optimizer, self.schedule = model, criterion, optimizer, schedule
         self.clip_max_norm = clip_max_norm
         self.autocast = autocast
-        self.full_graph = full_graph
         self.mode: StepMode = mode if full_graph else "trace"
         self.fallback_reason = ""  # why replay was given up for this run ('' if it was not)
         self.calls = 0

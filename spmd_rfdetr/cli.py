@@ -69,7 +69,7 @@ def validate(
     from spmd_rfdetr import evaluate
 
     cfg = RunConfig(model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval)
-    return evaluate.validate(cfg, checkpoint, output_dir).metrics.record()
+    return evaluate.evaluate_checkpoint(cfg, checkpoint, output_dir).metrics.record()
 
 
 def predict(

@@ -1,4 +1,4 @@
-"""Typed run configuration: one dataclass per concern, validated in one place (:func:`validate`).
+"""Typed run configuration: one dataclass per concern, validated in one place (:func:`resolve_and_check`).
 
 jsonargparse turns these dataclasses into the CLI (``--data.dataset_dir`` ...) and reads each field's docstring as its
 help text, so every field below carries one.
@@ -176,7 +176,7 @@ def data_axis(cfg: RunConfig, device_count: int) -> int:
     return device_count if cfg.mesh.data == -1 else cfg.mesh.data
 
 
-def validate(cfg: RunConfig, device_count: int | None = None) -> None:
+def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
     """Check the whole config at once and raise :class:`ConfigError` listing every problem.
 
     With ``device_count``, also resolves ``data.per_device_batch_size`` into ``data.global_batch_size``.

@@ -553,13 +553,13 @@ def evaluator_for(cfg: RunConfig, cfgs: Any, model: torch.nn.Module, fabric: Any
 
 def _load_for_inference(cfg: RunConfig, checkpoint: str) -> tuple[Any, Any, torch.nn.Module]:
     """Runtime + Fabric + rfdetr model with the checkpoint's weights, on the mesh: (fabric, upstream configs, model)."""
-    from spmd_rfdetr.config import validate as validate_config
+    from spmd_rfdetr.config import resolve_and_check
     from spmd_rfdetr.runtime import PRECISIONS, setup_runtime
 
     setup_runtime(cfg.mesh)
     import torch_xla.runtime as xr
 
-    validate_config(cfg, xr.global_runtime_device_count())
+    resolve_and_check(cfg, xr.global_runtime_device_count())
     from spmd_rfdetr.data import num_classes_in
     from spmd_rfdetr.fabric import spmd_fabric
     from spmd_rfdetr.mesh import build_mesh
@@ -581,7 +581,7 @@ def _load_for_inference(cfg: RunConfig, checkpoint: str) -> tuple[Any, Any, torc
     return fabric, cfgs, net
 
 
-def validate(cfg: RunConfig, checkpoint: str, output_dir: str | None = None) -> EvalResult:
+def evaluate_checkpoint(cfg: RunConfig, checkpoint: str, output_dir: str | None = None) -> EvalResult:
     """COCO-evaluate ``checkpoint`` on ``eval.split``; writes ``coco_eval.json`` + ``detections.json``.
 
     ``output_dir`` defaults to ``<checkpoint dir>/eval_<checkpoint stem>_<split>``.

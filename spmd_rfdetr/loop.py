@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from spmd_rfdetr.config import RunConfig, validate
+from spmd_rfdetr.config import RunConfig, resolve_and_check
 from spmd_rfdetr.runtime import PRECISIONS, setup_runtime
 
 log = logging.getLogger(__name__)
@@ -20,7 +20,7 @@ def fit(cfg: RunConfig) -> Path:
     setup_runtime(cfg.mesh)
     import torch_xla.runtime as xr
 
-    validate(cfg, xr.global_runtime_device_count())
+    resolve_and_check(cfg, xr.global_runtime_device_count())
 
     import torch_xla.core.xla_model as xm
 

@@ -66,7 +66,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     import torch_xla
 
     from spmd_rfdetr.build import build_trainer
-    from spmd_rfdetr.config import validate
+    from spmd_rfdetr.config import resolve_and_check
     from spmd_rfdetr.fabric import spmd_fabric
     from spmd_rfdetr.mesh import build_mesh, data_axis_size
     from spmd_rfdetr.model import build_model, upstream_configs
@@ -84,7 +84,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("expect_devices") and spec["expect_devices"] != devices:
         raise SystemExit(f"--devices {spec['expect_devices']} but the XLA runtime sees {devices} devices; on a TPU "
                          "restrict the visible chips (TPU_VISIBLE_CHIPS ...) before starting")
-    validate(cfg, devices)
+    resolve_and_check(cfg, devices)
     m, d = cfg.model, cfg.data
     fabric = spmd_fabric(build_mesh(cfg.mesh.data), precision=PRECISIONS[cfg.trainer.precision])
     mesh = fabric.strategy.mesh

@@ -10,6 +10,7 @@ from jsonargparse import CLI, set_parsing_settings
 from spmd_rfdetr import loop
 from spmd_rfdetr.config import (
     DataOptions,
+    CheckpointOptions,
     EvalOptions,
     MeshOptions,
     ModelOptions,
@@ -29,6 +30,7 @@ def fit(
     mesh: MeshOptions = MeshOptions(),
     trainer: TrainerOptions = TrainerOptions(),
     eval: EvalOptions = EvalOptions(),
+    checkpointing: CheckpointOptions = CheckpointOptions(),
 ) -> Path:
     """Train RF-DETR on a single-process SPMD mesh.
 
@@ -39,8 +41,11 @@ def fit(
         mesh: The device mesh.
         trainer: Run length, logging, precision and outputs.
         eval: COCO evaluation inside fit (every N steps, best.pth by mAP).
+        checkpointing: Full training-state checkpoints for ``--trainer.resume``.
     """
-    return loop.fit(RunConfig(model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval))
+    return loop.fit(
+        RunConfig(model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing)
+    )
 
 
 def validate(
@@ -52,6 +57,7 @@ def validate(
     mesh: MeshOptions = MeshOptions(),
     trainer: TrainerOptions = TrainerOptions(),
     eval: EvalOptions = EvalOptions(),
+    checkpointing: CheckpointOptions = CheckpointOptions(),
 ) -> dict[str, float]:
     """COCO-evaluate a checkpoint on a dataset split on the mesh (one compiled eval graph, pycocotools COCOeval).
 
@@ -65,10 +71,13 @@ def validate(
         mesh: The device mesh.
         trainer: ``precision`` is used for the forward.
         eval: Split, eval batch size and detections per image.
+        checkpointing: Unused (accepted so a training config can be passed as is).
     """
     from spmd_rfdetr import evaluate
 
-    cfg = RunConfig(model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval)
+    cfg = RunConfig(
+        model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing
+    )
     return evaluate.evaluate_checkpoint(cfg, checkpoint, output_dir).metrics.record()
 
 
@@ -82,6 +91,7 @@ def predict(
     mesh: MeshOptions = MeshOptions(),
     trainer: TrainerOptions = TrainerOptions(),
     eval: EvalOptions = EvalOptions(),
+    checkpointing: CheckpointOptions = CheckpointOptions(),
 ) -> Path:
     """Detect objects in every image of a folder on the mesh and write COCO results JSON.
 
@@ -96,10 +106,13 @@ def predict(
         mesh: The device mesh.
         trainer: ``precision`` is used for the forward.
         eval: Eval batch size and detections per image.
+        checkpointing: Unused (accepted so a training config can be passed as is).
     """
     from spmd_rfdetr import evaluate
 
-    cfg = RunConfig(model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval)
+    cfg = RunConfig(
+        model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing
+    )
     return evaluate.predict(cfg, checkpoint, images, output)
 
 

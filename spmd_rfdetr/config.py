@@ -30,6 +30,13 @@ class ModelOptions:
     """Number of classes; ``None`` reads it from the dataset."""
     pretrain_weights: str | None = None
     """Path to an RF-DETR ``.pth`` checkpoint to start from; ``None`` trains from scratch (no download happens)."""
+    ema: bool = True
+    """Keep an exponential moving average of the weights inside the compiled step (rfdetr's ``ModelEma``, on by
+    default as upstream). Evaluation, ``best.pth``, ``last.pth`` and exports then use the EMA weights."""
+    ema_decay: float = 0.993
+    """EMA decay (rfdetr's ``ema_decay``)."""
+    ema_tau: int = 100
+    """EMA warm-up in steps: the decay at update ``n`` is ``ema_decay * (1 - exp(-n / ema_tau))`` (0: no warm-up)."""
 
 
 @dataclass
@@ -120,11 +127,29 @@ class TrainerOptions:
     near zero; a second trace at step 2 checks nothing per-step was baked in, else it falls back to ``trace``).
     ``trace``: lazy tracing re-runs the step's Python every step (``torch_xla.compile``). ``matcher=scipy`` always
     traces."""
+    resume: str | None = None
+    """``auto``: continue from the newest complete checkpoint in ``output_dir/checkpoints`` (a fresh start if there is
+    none); a path: continue from that checkpoint directory; ``None``: start fresh."""
+    loggers: list[Literal["tensorboard", "csv"]] = field(default_factory=list)
+    """Extra loggers (Lightning Fabric's) fed the same records as ``metrics.jsonl``, under ``output_dir/logs``."""
+    compile_cache_dir: str | None = None
+    """Persistent XLA compilation cache (a second run with the same config compiles nothing). ``None``: a directory
+    under ``~/.cache/spmd_rfdetr/xla`` on TPU; the XLA CPU backend cannot read its own cache back, so it is off there."""
     compile_backend: Literal["torch_xla", "openxla"] = "torch_xla"
     """How the training step is compiled: ``torch_xla`` (lazy tracing, in ``step_mode``). ``openxla``
     (``torch.compile(backend="openxla")``, dynamo: several programs per step) with this project's fix for torch_xla's
     stale weight gradients under SPMD (pytorch/xla#4824); refused on torch_xla versions the fix is not verified for.
     Evaluation always uses ``openxla``."""
+
+
+@dataclass
+class CheckpointOptions:
+    """Full training-state checkpoints for resuming (``output_dir/checkpoints/step_XXXXXXXX``), sharding-aware."""
+
+    every_steps: int = 1000
+    """Save the full training state every N steps (and on SIGTERM); 0: only on SIGTERM."""
+    keep: int = 2
+    """How many of the newest full checkpoints to keep."""
 
 
 @dataclass
@@ -156,6 +181,7 @@ class RunConfig:
     mesh: MeshOptions = field(default_factory=MeshOptions)
     trainer: TrainerOptions = field(default_factory=TrainerOptions)
     eval: EvalOptions = field(default_factory=EvalOptions)
+    checkpointing: CheckpointOptions = field(default_factory=CheckpointOptions)
 
 
 class ConfigError(ValueError):

@@ -6,6 +6,8 @@ help text, so every field below carries one.
 
 from __future__ import annotations
 
+import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -19,9 +21,10 @@ class ModelOptions:
     variant: Literal["nano", "small", "medium", "large", "base"] = "nano"
     """RF-DETR size, as in ``rfdetr`` (``RFDETRNanoConfig`` ...)."""
     resolution: int | None = None
-    """Square input resolution in pixels; must divide by ``patch_size * num_windows`` (32 for Nano/Small/Medium)."""
+    """Square input resolution in pixels; must divide by the variant's ``patch_size * num_windows`` (rfdetr's model
+    config: 32 for Nano/Small/Medium/Large, 56 for Base). ``None``: the variant's default."""
     num_queries: int | None = None
-    """Object queries per group at inference."""
+    """Object queries per group at inference (``None``: the variant's default, 300); must be >= ``data.max_targets``."""
     group_detr: int | None = None
     """Query groups used during training (Group DETR); inference uses one."""
     dec_layers: int | None = None
@@ -64,7 +67,14 @@ class DataOptions:
     the main thread (``compile_backend: openxla`` compiles draw from it): for bit-reproducible batches there, use
     worker processes or 0 here."""
     multi_scale: bool = False
-    """Upstream multi-scale augmentation. Every new shape compiles a new XLA graph: keep it off on TPU."""
+    """Upstream multi-scale augmentation: refused for now (every batch must have one shape; multi-scale buckets do
+    not exist yet, and each new shape would compile a new XLA program)."""
+    on_bad: Literal["error", "skip"] = "error"
+    """What the data check (``check-data``, and the start of ``fit``/``validate``/``predict``) does with problems
+    that can be skipped without guessing: unreadable or missing train images, and boxes of zero/negative size or
+    outside the image. ``error``: stop, listing every problem; ``skip``: train without those images (rfdetr already
+    drops such boxes or clips them to the image), naming each and counting them in the log. Schema errors, unknown
+    categories, labels >= ``num_classes``, problems in the eval split and an empty split are always errors."""
 
 
 @dataclass
@@ -188,6 +198,44 @@ class ConfigError(ValueError):
     """A configuration problem the user can fix; the message lists every problem found."""
 
 
+#: rfdetr's ``ModelConfig`` class (in ``rfdetr.config``) per ``model.variant``; :data:`spmd_rfdetr.model.VARIANTS`
+#: holds the classes themselves.
+VARIANT_CONFIGS = {
+    "nano": "RFDETRNanoConfig",
+    "small": "RFDETRSmallConfig",
+    "medium": "RFDETRMediumConfig",
+    "large": "RFDETRLargeConfig",
+    "base": "RFDETRBaseConfig",
+}
+
+
+def variant_defaults(variant: str) -> dict[str, int]:
+    """rfdetr's own defaults of ``variant``'s ``patch_size``, ``num_windows``, ``resolution`` and ``num_queries``
+    (read from its pydantic model config class; nothing is built)."""
+    import rfdetr.config
+
+    fields = getattr(rfdetr.config, VARIANT_CONFIGS[variant]).model_fields
+    return {name: fields[name].default for name in ("patch_size", "num_windows", "resolution", "num_queries")}
+
+
+_warned: set[str] = set()  # warnings resolve_and_check has given in this process (each is given once)
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logging.getLogger(__name__).warning(message)
+
+
+def _backend() -> str | None:
+    """The XLA device type (``CPU``, ``TPU`` ...) when torch_xla's runtime is already loaded, else ``None``."""
+    if "torch_xla.runtime" not in sys.modules:
+        return None
+    import torch_xla.runtime as xr
+
+    return str(xr.device_type())
+
+
 #: Why ``trainer.compile_backend=openxla`` is refused on unverified torch_xla versions.
 OPENXLA_TRAINING_REFUSED = (
     "trainer.compile_backend=openxla is refused on this torch_xla: torch.compile(backend='openxla') under SPMD returns "
@@ -221,12 +269,29 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
         problems.append(f"trainer.log_every={t.log_every} must be >= 1")
     if o.warmup_steps < 0:
         problems.append(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
-    if cfg.model.resolution is not None and cfg.model.resolution % 32:
-        problems.append(f"model.resolution={cfg.model.resolution} must be a multiple of 32 (patch 16 x 2 windows)")
-    if device_count is not None:
+    problems += _model_problems(cfg)
+    if d.multi_scale:
+        problems.append(
+            "data.multi_scale=true is not supported yet: rfdetr's multi-scale augmentation gives batches other image "
+            "sizes, every size compiles another XLA program, and static batches need one resolution (multi-scale "
+            "buckets do not exist yet). Set data.multi_scale=false"
+        )
+    mesh_ok = cfg.mesh.data == -1 or cfg.mesh.data >= 1
+    if not mesh_ok:
+        problems.append(f"mesh.data={cfg.mesh.data} must be >= 1, or -1 for every device")
+    if cfg.mesh.cpu_devices is not None and cfg.mesh.cpu_devices < 1:
+        problems.append(f"mesh.cpu_devices={cfg.mesh.cpu_devices} must be >= 1")
+    if device_count is not None and t.precision == "bf16" and _backend() == "CPU":
+        _warn_once(
+            "trainer.precision=bf16 on the XLA CPU backend: the CPU has no fast bf16 matmuls (slower than fp32 here) "
+            "and the results differ from fp32; bf16 is meant for TPUs (trainer.precision=fp32 on CPU)"
+        )
+    if device_count is not None and mesh_ok:
         axis = data_axis(cfg, device_count)
-        if axis < 1 or device_count % axis:
-            problems.append(f"mesh.data={cfg.mesh.data} must divide the {device_count} devices (or be -1 for all)")
+        if axis > device_count:
+            problems.append(f"mesh.data={axis} asks for more devices than the {device_count} there are")
+        elif device_count % axis:
+            problems.append(f"mesh.data={axis} must divide the {device_count} devices (or be -1 for all)")
         elif d.global_batch_size % axis:
             problems.append(
                 f"data.global_batch_size={d.global_batch_size} does not divide by the data axis ({axis} devices): "
@@ -254,3 +319,31 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
             )
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def _model_problems(cfg: RunConfig) -> list[str]:
+    """Resolution and query-count rules of the variant, with rfdetr's own defaults for fields left ``None``."""
+    m, problems = cfg.model, []
+    defaults = variant_defaults(m.variant)
+    block = defaults["patch_size"] * defaults["num_windows"]
+    resolution = m.resolution if m.resolution is not None else defaults["resolution"]
+    if resolution < block or resolution % block:
+        problems.append(
+            f"model.resolution={resolution} must be a multiple of {block} for model.variant={m.variant} (rfdetr's "
+            f"patch_size {defaults['patch_size']} x num_windows {defaults['num_windows']}), e.g. "
+            f"{block * max(1, round(resolution / block))}"
+        )
+    queries = m.num_queries if m.num_queries is not None else defaults["num_queries"]
+    if queries < 1:
+        problems.append(f"model.num_queries={queries} must be >= 1")
+    elif cfg.data.max_targets > queries:
+        source = "model.num_queries" if m.num_queries is not None else f"model.variant={m.variant}'s num_queries"
+        problems.append(
+            f"data.max_targets={cfg.data.max_targets} is more than the {queries} queries per group ({source}): the "
+            "matcher gives every target its own query. Lower data.max_targets or raise model.num_queries"
+        )
+    for name in ("group_detr", "dec_layers", "num_classes"):
+        value = getattr(m, name)
+        if value is not None and value < 1:
+            problems.append(f"model.{name}={value} must be >= 1")
+    return problems

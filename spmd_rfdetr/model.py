@@ -20,14 +20,11 @@ from rfdetr.models.postprocess import PostProcess
 from rfdetr.models.weights import load_pretrain_weights
 from rfdetr.training.param_groups import get_param_dict
 
-from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions
+from spmd_rfdetr.config import VARIANT_CONFIGS, DataOptions, ModelOptions, OptimOptions
 
+#: rfdetr's model config class per ``model.variant`` (names in :data:`spmd_rfdetr.config.VARIANT_CONFIGS`).
 VARIANTS: dict[str, type[rfdetr_config.ModelConfig]] = {
-    "nano": rfdetr_config.RFDETRNanoConfig,
-    "small": rfdetr_config.RFDETRSmallConfig,
-    "medium": rfdetr_config.RFDETRMediumConfig,
-    "large": rfdetr_config.RFDETRLargeConfig,
-    "base": rfdetr_config.RFDETRBaseConfig,
+    variant: getattr(rfdetr_config, name) for variant, name in VARIANT_CONFIGS.items()
 }
 
 

@@ -1,14 +1,24 @@
-"""Command line: ``python -m spmd_rfdetr fit --config configs/v5e.yaml`` (jsonargparse over typed signatures)."""
+"""Command line: ``python -m spmd_rfdetr fit --config configs/v5e.yaml`` (jsonargparse over typed signatures).
+
+Every config, data and path error (and every command-line parse error) leaves as one message on stderr with exit
+status 2 and no traceback; ``--debug`` anywhere on the command line (or ``SPMD_RFDETR_DEBUG=1``) adds the traceback.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import traceback
+from argparse import ArgumentError
 from pathlib import Path
+from typing import Any
 
-from jsonargparse import CLI, set_parsing_settings
+from jsonargparse import CLI, ArgumentParser, set_parsing_settings
 
-from spmd_rfdetr import loop
+from spmd_rfdetr import checks, loop
 from spmd_rfdetr.config import (
+    ConfigError,
     DataOptions,
     CheckpointOptions,
     EvalOptions,
@@ -17,6 +27,7 @@ from spmd_rfdetr.config import (
     OptimOptions,
     RunConfig,
     TrainerOptions,
+    resolve_and_check,
 )
 from spmd_rfdetr.synth import synth
 
@@ -46,6 +57,35 @@ def fit(
     return loop.fit(
         RunConfig(model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing)
     )
+
+
+def check_data(
+    model: ModelOptions = ModelOptions(),
+    data: DataOptions = DataOptions(),
+    optim: OptimOptions = OptimOptions(),
+    mesh: MeshOptions = MeshOptions(),
+    trainer: TrainerOptions = TrainerOptions(),
+    eval: EvalOptions = EvalOptions(),
+    checkpointing: CheckpointOptions = CheckpointOptions(),
+) -> None:
+    """Check the config and the dataset splits ``fit`` would read (train, and eval.split when eval.every_steps > 0),
+    without starting XLA: every problem at once, each with its file, annotation and fix (what ``fit`` checks first).
+
+    Args:
+        model: Which RF-DETR (resolution and query rules; ``num_classes`` bounds the labels).
+        data: Dataset, ``max_targets``/``on_overflow`` and ``on_bad``.
+        optim: Checked as ``fit`` checks it.
+        mesh: Checked as ``fit`` checks it (without a device count).
+        trainer: Checked as ``fit`` checks it.
+        eval: ``every_steps`` and ``split``: which eval split is checked too.
+        checkpointing: Accepted so a training config can be passed as is.
+    """
+    cfg = RunConfig(
+        model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing
+    )
+    resolve_and_check(cfg)
+    report = checks.check_data(cfg)
+    print(f"check-data: {data.dataset_dir}: ok; {report.summary()}", flush=True)
 
 
 def validate(
@@ -116,7 +156,32 @@ def predict(
     return evaluate.predict(cfg, checkpoint, images, output)
 
 
+#: Errors the user fixes in the config, the data or a path: one message and exit status 2.
+USER_ERRORS = (ConfigError, checks.DataError, FileNotFoundError, ArgumentError)
+DEBUG_ENV = "SPMD_RFDETR_DEBUG"
+
+
+class _Parser(ArgumentParser):
+    """jsonargparse's parser, raising its errors for :func:`main` to report instead of printing the whole usage."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("exit_on_error", False)
+        super().__init__(*args, **kwargs)
+
+
 def main(args: list[str] | None = None) -> None:
-    """Entry point of ``python -m spmd_rfdetr`` and the ``spmd-rfdetr`` script."""
+    """Entry point of ``python -m spmd_rfdetr`` and the ``spmd-rfdetr`` script (see the module docstring for errors)."""
+    argv = list(sys.argv[1:] if args is None else args)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "0") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    CLI([fit, validate, predict, synth], args=args, as_positional=False)
+    verbs = {"fit": fit, "check-data": check_data, "validate": validate, "predict": predict, "synth": synth}
+    try:
+        CLI(verbs, args=argv, as_positional=False, parser_class=_Parser)
+    except USER_ERRORS as error:
+        if debug:
+            traceback.print_exc()
+        verb = next((a for a in argv if a in verbs), "")
+        help_hint = f"python -m spmd_rfdetr {verb} --help".replace("  ", " ")
+        print(f"error: {error}\n({help_hint} lists the options; --debug shows the traceback)", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -12,7 +12,7 @@ affected (naming the first files) and keeps each such image's ``max_targets`` la
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,18 +54,29 @@ class Overflow:
         return f"{len(self.files)} image(s) have more than data.max_targets={max_targets} boxes ({self.boxes_over} boxes over): {shown}"
 
 
+#: How to resolve an :class:`Overflow` (said by ``check_overflow`` and by the data check, :mod:`spmd_rfdetr.checks`).
+OVERFLOW_FIX = (
+    "Raise data.max_targets (it must stay <= queries per group) or set data.on_overflow=truncate to keep each "
+    "image's largest boxes."
+)
+
+
+def count_overflow(box_counts: Mapping[str, int], max_targets: int) -> Overflow:
+    """The images of ``{file name: boxes training sees}`` over the padding cap."""
+    files = sorted(name for name, count in box_counts.items() if count > max_targets)
+    return Overflow(files, sum(box_counts[name] - max_targets for name in files))
+
+
 def find_overflow(dataset: Dataset[Any], max_targets: int) -> Overflow:
-    """Scan the split's annotations (not the images) for images over the padding cap."""
+    """Scan the split's annotations (not the images) for images over the padding cap (crowd boxes do not count)."""
     coco = get_coco_api_from_dataset(dataset)
     if coco is None:
         return Overflow([], 0)
-    files, over = [], 0
-    for image_id, anns in coco.imgToAnns.items():
-        count = sum(1 for a in anns if not a.get("iscrowd", 0))
-        if count > max_targets:
-            files.append(coco.imgs[image_id]["file_name"])
-            over += count - max_targets
-    return Overflow(sorted(files), over)
+    counts = {
+        coco.imgs[image_id]["file_name"]: sum(1 for a in anns if not a.get("iscrowd", 0))
+        for image_id, anns in coco.imgToAnns.items()
+    }
+    return count_overflow(counts, max_targets)
 
 
 def check_overflow(dataset: Dataset[Any], data: DataOptions, split: str) -> None:
@@ -75,10 +86,7 @@ def check_overflow(dataset: Dataset[Any], data: DataOptions, split: str) -> None
         return
     message = f"{data.dataset_dir} [{split}]: {overflow.describe(data.max_targets)}"
     if data.on_overflow == "error":
-        raise ValueError(
-            f"{message}. Raise data.max_targets (it must stay <= queries per group) or set "
-            "data.on_overflow=truncate to keep each image's largest boxes."
-        )
+        raise ValueError(f"{message}. {OVERFLOW_FIX}")
     log.warning("%s; keeping the %d largest boxes of each (data.on_overflow=truncate)", message, data.max_targets)
 
 

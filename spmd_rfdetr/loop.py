@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from spmd_rfdetr.checks import check_data
 from spmd_rfdetr.config import RunConfig, resolve_and_check
 from spmd_rfdetr.runtime import PRECISIONS, setup_runtime
 
@@ -21,6 +22,7 @@ def fit(cfg: RunConfig) -> Path:
     import torch_xla.runtime as xr
 
     resolve_and_check(cfg, xr.global_runtime_device_count())
+    data_report = check_data(cfg)  # every data problem at once, before anything is built or compiled (DataError)
 
     import torch_xla.core.xla_model as xm
 
@@ -40,7 +42,7 @@ def fit(cfg: RunConfig) -> Path:
 
     num_classes = cfg.model.num_classes or num_classes_in(d.dataset_dir)
     cfgs = upstream_configs(cfg.model, d, cfg.optim, num_classes)
-    train_set = build_split(cfgs, "train")
+    train_set = data_report.usable(build_split(cfgs, "train"), "train")  # less the images data.on_bad=skip leaves out
     check_overflow(train_set, d, "train")
     fabric.strategy.prefetch = d.prefetch
     loader = fabric.setup_dataloaders(make_loader(train_set, d, cfgs.model.resolution, train=True, seed=t.seed))

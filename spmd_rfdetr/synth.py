@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from spmd_rfdetr.config import ConfigError
+
 SPLITS = ("train", "valid", "test")
 #: Shape kind per class index, with its colour: the class is readable from shape and from colour alike.
 SHAPES = ("rectangle", "ellipse", "triangle", "cross", "diamond", "ring")
@@ -112,27 +114,27 @@ def categories(num_classes: int) -> list[dict[str, object]]:
 
 def _check(output_dir: str, counts: dict[str, int], image_size: int, num_classes: int, min_objects: int,
            max_objects: int, seed: int) -> None:
-    """Raise ``ValueError`` naming the first bad argument of :func:`synth`."""
+    """Raise :class:`ConfigError` (a ``ValueError``) naming the first bad argument of :func:`synth`."""
     if not output_dir:
-        raise ValueError("output_dir must be a non-empty path")
+        raise ConfigError("output_dir must be a non-empty path")
     out = Path(output_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"output_dir={output_dir!r} exists and is not an empty directory; remove it or pick another")
+        raise ConfigError(f"output_dir={output_dir!r} exists and is not an empty directory; remove it or pick another")
     for name, count in counts.items():
         if count < (0 if name == "test_images" else 1):
-            raise ValueError(f"{name} must be >= {0 if name == 'test_images' else 1}, got {count}")
+            raise ConfigError(f"{name} must be >= {0 if name == 'test_images' else 1}, got {count}")
     if not MIN_IMAGE_SIZE <= image_size <= MAX_IMAGE_SIZE:
-        raise ValueError(f"image_size must be between {MIN_IMAGE_SIZE} and {MAX_IMAGE_SIZE}, got {image_size}")
+        raise ConfigError(f"image_size must be between {MIN_IMAGE_SIZE} and {MAX_IMAGE_SIZE}, got {image_size}")
     if not 1 <= num_classes <= len(SHAPES):
-        raise ValueError(f"num_classes must be between 1 and {len(SHAPES)} (shape kinds {SHAPES}), got {num_classes}")
+        raise ConfigError(f"num_classes must be between 1 and {len(SHAPES)} (shape kinds {SHAPES}), got {num_classes}")
     if max_objects < 1 or image_size // _grid(max_objects)[0] < _CELL_MIN:
         cols = _grid(max(max_objects, 1))[0]
-        raise ValueError(f"max_objects={max_objects} must be >= 1 and fit image_size={image_size} "
+        raise ConfigError(f"max_objects={max_objects} must be >= 1 and fit image_size={image_size} "
                          f"(a {cols}-column grid needs image_size >= {cols * _CELL_MIN})")
     if not 1 <= min_objects <= max_objects:
-        raise ValueError(f"min_objects must be between 1 and max_objects={max_objects}, got {min_objects}")
+        raise ConfigError(f"min_objects must be between 1 and max_objects={max_objects}, got {min_objects}")
     if seed < 0:
-        raise ValueError(f"seed must be >= 0, got {seed}")
+        raise ConfigError(f"seed must be >= 0, got {seed}")
 
 
 def synth(
@@ -168,7 +170,7 @@ def synth(
         The dataset root, resolved.
 
     Raises:
-        ValueError: If an argument is out of range; the message names it.
+        ConfigError: (a ``ValueError``) If an argument is out of range; the message names it.
     """
     counts = {"train_images": train_images, "valid_images": valid_images, "test_images": test_images}
     _check(output_dir, counts, image_size, num_classes, min_objects, max_objects, seed)

@@ -71,12 +71,21 @@ def test_help_documents_every_option() -> None:
         assert "(type:" in after and len(after.split("(type:")[0].strip()) > 10, (option, after)
 
 
-def test_bad_batch_for_mesh_is_a_clear_config_error(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_bad_config_is_one_clear_error_before_anything_runs(tmp_path: Path) -> None:
+    """Every config problem in one message, exit status 2, no traceback, nothing written (the data is not read)."""
     result = run_cli("fit", "--config", "configs/cpu.yaml", "--data.global_batch_size", "6",
-                     "--trainer.output_dir", str(tmp_path), timeout=300)
-    assert result.returncode != 0
-    assert "data.global_batch_size=6 does not divide by the data axis (4 devices)" in result.stderr
-    assert "Traceback" not in result.stderr.split("invalid configuration")[-1]
+                     "--data.max_targets", "31", "--data.multi_scale", "true", "--model.resolution", "100",
+                     "--data.dataset_dir", str(tmp_path / "no-data"), "--trainer.output_dir", str(tmp_path / "out"),
+                     timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    for problem in ("data.global_batch_size=6 does not divide by the data axis (4 devices)",
+                    "data.max_targets=31 is more than the 30 queries per group (model.num_queries)",
+                    "data.multi_scale=true is not supported yet",
+                    "model.resolution=100 must be a multiple of 32 for model.variant=nano"):
+        assert problem in result.stderr, problem
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.fixture(scope="module")

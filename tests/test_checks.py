@@ -1,0 +1,260 @@
+"""Bad input is caught before XLA compiles: the data check, the config check and the CLI's one error boundary.
+
+The subprocess tests run the real CLI on a synthetic dataset corrupted on purpose (one dataset holds every kind of
+problem, so one run checks that all are reported at once) with ``PT_XLA_DEBUG_LEVEL=1``, under which torch_xla prints a
+"Compilation Analysis" block for every graph it compiles: its absence shows nothing was compiled.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spmd_rfdetr import config
+from spmd_rfdetr.checks import DataError, check_data
+from spmd_rfdetr.cli import main
+from spmd_rfdetr.config import ConfigError, DataOptions, EvalOptions, ModelOptions, RunConfig, resolve_and_check
+from spmd_rfdetr.synth import synth
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPILED = "Compilation Analysis"  # what PT_XLA_DEBUG_LEVEL=1 prints for each graph XLA compiles
+
+
+def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "PT_XLA_DEBUG_LEVEL": "1"}
+    return subprocess.run([sys.executable, "-m", "spmd_rfdetr", *args], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def small_dataset(root: Path) -> tuple[Path, dict]:
+    """A synthetic dataset (16 train, 8 valid images of 64 px) and its parsed train annotations."""
+    synth(str(root), train_images=16, valid_images=8, test_images=0, image_size=64)
+    ann_file = root / "train" / "_annotations.coco.json"
+    return ann_file, json.loads(ann_file.read_text())
+
+
+def first_annotation(coco: dict, image_id: int) -> dict:
+    return next(a for a in coco["annotations"] if a["image_id"] == image_id)
+
+
+@pytest.fixture(scope="module")
+def bad_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every kind of problem at once: train images 0-3 empty/truncated/not an image/missing, annotation problems on
+    images 4-7, image 8 without annotations (allowed), 14 objects on image 9, valid annotations cut mid-file."""
+    root = tmp_path_factory.mktemp("bad") / "data"
+    ann_file, coco = small_dataset(root)
+    train = root / "train"
+    (train / "train_000000.jpg").write_bytes(b"")
+    jpeg = (train / "train_000001.jpg").read_bytes()
+    (train / "train_000001.jpg").write_bytes(jpeg[: len(jpeg) // 2])
+    (train / "train_000002.jpg").write_text("not an image")
+    (train / "train_000003.jpg").unlink()
+    first_annotation(coco, 4)["bbox"][2] = 0  # zero width
+    first_annotation(coco, 5)["bbox"] = [50, 50, 30, 30]  # past the 64 px edge
+    first_annotation(coco, 6)["category_id"] = 99  # not a category
+    del first_annotation(coco, 7)["area"]  # rfdetr's reader needs it
+    coco["annotations"] = [a for a in coco["annotations"] if a["image_id"] != 8]
+    coco["annotations"] += [dict(first_annotation(coco, 9), id=1000 + i) for i in range(10)]
+    ann_file.write_text(json.dumps(coco))
+    valid = root / "valid" / "_annotations.coco.json"
+    valid.write_text(valid.read_text()[:100])
+    return root
+
+
+def ids(coco_file: Path) -> dict[str, int]:
+    """Annotation ids of the corrupted annotations (first annotation of images 4 to 7)."""
+    coco = json.loads(coco_file.read_text())
+    return {kind: first_annotation(coco, image)["id"] for kind, image in
+            (("zero", 4), ("outside", 5), ("category", 6), ("area", 7))}
+
+
+def expected_lines(root: Path) -> list[str]:
+    """What the report must say about ``bad_dataset`` (split, file, annotation id and the problem)."""
+    n = ids(root / "train" / "_annotations.coco.json")
+    return [
+        "[train] train/train_000000.jpg: empty file (0 bytes)",
+        "[train] train/train_000001.jpg: not a readable image (image file is truncated",
+        "[train] train/train_000002.jpg: not a readable image (cannot identify image file",
+        "[train] train/train_000003.jpg: file not found",
+        f"[train] train/_annotations.coco.json (annotation {n['zero']}): box [",
+        f"[train] train/_annotations.coco.json (annotation {n['outside']}): box [50, 50, 80, 80]",
+        f"[train] train/_annotations.coco.json (annotation {n['category']}): category_id 99 is not in the file's "
+        "categories",
+        f"[train] train/_annotations.coco.json (annotation {n['area']}): missing 'area'",
+        "[train] train/train_000009.jpg: 14 objects, data.max_targets=8",
+        "[valid] valid/_annotations.coco.json: not readable as JSON",
+    ]
+
+
+@pytest.mark.slow
+def test_check_data_reports_every_problem_at_once(bad_dataset: Path) -> None:
+    result = run_cli("check-data", "--config", "configs/cpu.yaml", "--data.dataset_dir", str(bad_dataset),
+                     "--model.num_classes", "2")
+    assert result.returncode == 2, result.stderr[-3000:]
+    for line in expected_lines(bad_dataset):
+        assert line in result.stderr, line
+    assert "category 3 trains as label 2 >= model.num_classes=2 (the dataset has 3 classes)" in result.stderr
+    assert "checked: train: 12 images (1 without annotations)" in result.stderr  # negatives are counted, allowed
+    assert "Traceback" not in result.stderr and COMPILED not in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_fit_stops_on_bad_data_before_compiling(bad_dataset: Path, tmp_path: Path) -> None:
+    result = run_cli("fit", "--config", "configs/cpu.yaml", "--data.dataset_dir", str(bad_dataset),
+                     "--trainer.output_dir", str(tmp_path / "out"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    for line in expected_lines(bad_dataset):
+        assert line in result.stderr, line
+    assert "Traceback" not in result.stderr
+    assert COMPILED not in result.stdout + result.stderr
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() and not (tmp_path / "out" / "config.yaml").exists()
+
+
+@pytest.mark.slow
+def test_compile_marker_is_printed_when_xla_compiles() -> None:
+    """The marker the tests above look for is real: a one-op graph prints it."""
+    code = "import torch, torch_xla; print((torch.ones(2, device='xla') + 1).cpu())"
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "PT_XLA_DEBUG_LEVEL": "1"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, text=True, capture_output=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert COMPILED in result.stdout + result.stderr
+
+
+def skippable_dataset(root: Path) -> Path:
+    """Only problems ``data.on_bad=skip`` covers: an empty train image, a negative-height box, a box past the edge."""
+    ann_file, coco = small_dataset(root)
+    (root / "train" / "train_000000.jpg").write_bytes(b"")
+    first_annotation(coco, 4)["bbox"][3] = -2
+    first_annotation(coco, 5)["bbox"] = [50, 50, 30, 30]
+    ann_file.write_text(json.dumps(coco))
+    return root
+
+
+@pytest.mark.slow
+def test_check_data_on_bad_skip_names_and_counts_what_it_skips(tmp_path: Path) -> None:
+    root = skippable_dataset(tmp_path / "data")
+    result = run_cli("check-data", "--config", "configs/cpu.yaml", "--data.dataset_dir", str(root),
+                     "--data.on_bad", "skip")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "data.on_bad=skip leaves out 1 image(s) and lets rfdetr drop or clip 2 box(es)" in result.stderr
+    assert "[train] train/train_000000.jpg: empty file (0 bytes)" in result.stderr
+    assert "check-data: " in result.stdout and "train: 15 images" in result.stdout
+
+
+def tiny_cfg(root: Path, **data: object) -> RunConfig:
+    return RunConfig(model=ModelOptions(resolution=128, num_queries=30), eval=EvalOptions(every_steps=10),
+                     data=DataOptions(dataset_dir=str(root), global_batch_size=8, max_targets=8, **data))
+
+
+def test_skipped_images_are_left_out_of_the_train_split(tmp_path: Path) -> None:
+    from spmd_rfdetr.data import build_split
+    from spmd_rfdetr.model import upstream_configs
+
+    root = skippable_dataset(tmp_path / "data")
+    with pytest.raises(DataError, match="train_000000.jpg: empty file"):
+        check_data(tiny_cfg(root))
+    cfg = tiny_cfg(root, on_bad="skip")
+    report = check_data(cfg)
+    assert report.skipped_images("train") == {"train_000000.jpg"} and report.skipped_images("valid") == set()
+    cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, num_classes=3)
+    full = build_split(cfgs, "train")
+    train = report.usable(full, "train")
+    assert len(train) == len(full) - 1 == 15
+    coco = full.coco
+    assert "train_000000.jpg" not in {coco.imgs[full.ids[i]]["file_name"] for i in train.indices}
+    for i in range(len(train)):  # every image left reads (the empty one would raise here)
+        image, target = train[i]
+        assert image.shape == (3, 128, 128) and len(target["labels"]) == len(target["boxes"])
+    valid = build_split(cfgs, "valid")
+    assert report.usable(valid, "valid") is valid  # nothing skipped there: rfdetr's dataset as built
+
+
+def test_labels_are_checked_against_the_train_mapping(tmp_path: Path) -> None:
+    """valid/test take rfdetr's label mapping from train: a category only the valid split lists is an error there."""
+    root = tmp_path / "data"
+    small_dataset(root)
+    valid_file = root / "valid" / "_annotations.coco.json"
+    valid = json.loads(valid_file.read_text())
+    valid["categories"].append({"id": 7, "name": "extra", "supercategory": "shapes"})
+    valid["annotations"][0]["category_id"] = 7
+    valid_file.write_text(json.dumps(valid))
+    with pytest.raises(DataError) as error:
+        check_data(tiny_cfg(root))
+    message = str(error.value)
+    assert f"[valid] valid/_annotations.coco.json (annotation {valid['annotations'][0]['id']}): category_id 7 has no " \
+           "label in the train split's categories" in message
+    assert "1 problem(s)" in message
+
+
+def test_base_variant_default_resolution_passes() -> None:
+    resolve_and_check(RunConfig(model=ModelOptions(variant="base")))  # 560 = 10 x (patch 14 x 4 windows)
+    with pytest.raises(ConfigError, match=r"model.resolution=512 must be a multiple of 56 for model.variant=base"):
+        resolve_and_check(RunConfig(model=ModelOptions(variant="base", resolution=512)))
+    with pytest.raises(ConfigError, match=r"model.resolution=560 must be a multiple of 32 for model.variant=nano"):
+        resolve_and_check(RunConfig(model=ModelOptions(variant="nano", resolution=560)))
+
+
+def test_config_problems_are_listed_together() -> None:
+    cfg = RunConfig(data=DataOptions(max_targets=301, multi_scale=True))
+    cfg.mesh.data = 0
+    with pytest.raises(ConfigError) as error:
+        resolve_and_check(cfg, device_count=4)
+    message = str(error.value)
+    assert "data.max_targets=301 is more than the 300 queries per group (model.variant=nano's num_queries)" in message
+    assert "data.multi_scale=true is not supported yet" in message
+    assert "mesh.data=0 must be >= 1, or -1 for every device" in message
+    explicit = RunConfig(model=ModelOptions(num_queries=30), data=DataOptions(max_targets=31))
+    with pytest.raises(ConfigError, match=r"the 30 queries per group \(model.num_queries\)"):
+        resolve_and_check(explicit)
+    with pytest.raises(ConfigError, match=r"mesh.data=8 asks for more devices than the 4 there are"):
+        resolve_and_check(RunConfig(mesh=config.MeshOptions(data=8)), device_count=4)
+
+
+def test_bf16_on_the_cpu_backend_warns_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(config, "_warned", set())  # this process may have warned already
+    cfg = RunConfig(data=DataOptions(global_batch_size=8))
+    cfg.trainer.precision = "bf16"
+    with caplog.at_level("WARNING", logger="spmd_rfdetr.config"):
+        for _ in range(2):
+            resolve_and_check(copy.deepcopy(cfg), device_count=4)  # this test process runs on XLA CPU devices
+    warnings = [r.message for r in caplog.records if "trainer.precision=bf16 on the XLA CPU backend" in r.message]
+    assert len(warnings) == 1, caplog.text
+
+
+def test_cli_parse_errors_exit_2_with_one_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  bogus_key: 1\n")
+    for args, messages in (
+        (["fit", "--config", str(bad)], ("does not accept option", "bogus_key")),  # jsonargparse's own check
+        (["fit", "--data.max_targets", "many"], ('Parser key "data.max_targets"', "many")),
+        (["fitt"], ("invalid choice: 'fitt'",)),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and all(m in err for m in messages), (args, err)
+        assert "Traceback" not in err and "usage:" not in err, err
+
+
+def test_data_errors_exit_2_and_debug_keeps_the_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    args = ["check-data", "--data.dataset_dir", str(tmp_path / "missing")]
+    monkeypatch.delenv("SPMD_RFDETR_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "missing: data.dataset_dir is not a directory" in err
+    assert "Traceback" not in err
+    for debug_args, env in ((["--debug", *args], "0"), (args, "1")):
+        monkeypatch.setenv("SPMD_RFDETR_DEBUG", env)
+        with pytest.raises(SystemExit) as exit_info:
+            main(debug_args)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "Traceback" in err and "DataError" in err, err
+

@@ -1,0 +1,85 @@
+"""Property tests of the static batch padding: whatever the objects, the batch shapes never change and nothing under
+the cap is lost (``data.StaticCollate``/``pad_target`` for training, the eval collate's padding rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spmd_rfdetr.data import StaticCollate, pad_target
+from spmd_rfdetr.evaluate import EvalCollate
+
+unit = st.floats(0.0, 1.0, allow_nan=False, width=32)
+
+
+@st.composite
+def targets(draw: st.DrawFn, max_objects: int) -> dict[str, torch.Tensor]:
+    """An rfdetr target after its transforms: normalised cxcywh boxes, any class ids, an original size."""
+    n = draw(st.integers(0, max_objects))
+    boxes = torch.tensor(draw(st.lists(st.tuples(unit, unit, unit, unit), min_size=n, max_size=n)),
+                         dtype=torch.float32).reshape(n, 4)
+    labels = torch.tensor(draw(st.lists(st.integers(0, 10_000), min_size=n, max_size=n)), dtype=torch.int64)
+    size = draw(st.tuples(st.integers(1, 4000), st.integers(1, 4000)))
+    return {"boxes": boxes, "labels": labels, "image_id": torch.tensor([draw(st.integers(0, 2**31))]),
+            "orig_size": torch.tensor(size)}
+
+
+def check_row(target: dict[str, torch.Tensor], boxes: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+              cap: int) -> None:
+    """One padded row against its target: exact valid mask, every object kept under the cap, the largest over it."""
+    n, kept = len(target["labels"]), min(len(target["labels"]), cap)
+    assert boxes.shape == (cap, 4) and labels.shape == (cap,) and valid.shape == (cap,)
+    assert boxes.dtype == torch.float32 and labels.dtype == torch.int64 and valid.dtype == torch.bool
+    assert torch.equal(valid, torch.arange(cap) < kept)
+    assert not boxes[~valid].any() and not labels[~valid].any()  # padding is zeros
+    assert ((boxes >= 0) & (boxes <= 1)).all()
+    if n <= cap:
+        assert torch.equal(boxes[:n], target["boxes"]) and torch.equal(labels[:n], target["labels"])
+    else:  # the cap's worth of largest boxes, each with its own label
+        areas = target["boxes"][:, 2] * target["boxes"][:, 3]
+        assert torch.equal(torch.sort(boxes[:, 2] * boxes[:, 3]).values, torch.sort(areas.topk(cap).values).values)
+        pairs = {(tuple(b.tolist()), int(c)) for b, c in zip(target["boxes"], target["labels"])}
+        assert all((tuple(b.tolist()), int(c)) in pairs for b, c in zip(boxes, labels))
+
+
+@settings(max_examples=200, deadline=None)
+@given(cap=st.integers(1, 12), data=st.data())
+def test_pad_target_is_static_and_exact(cap: int, data: st.DataObject) -> None:
+    target = data.draw(targets(max_objects=2 * cap + 2))
+    check_row(target, *pad_target(target, cap), cap)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cap=st.integers(1, 8), batch=st.integers(1, 4), resolution=st.sampled_from([8, 16]), data=st.data())
+def test_static_collate_shapes_never_change(cap: int, batch: int, resolution: int, data: st.DataObject) -> None:
+    samples = [(torch.rand(3, resolution, resolution), data.draw(targets(max_objects=2 * cap))) for _ in range(batch)]
+    out = StaticCollate(cap, resolution)(samples)
+    assert {k: tuple(v.shape) for k, v in out.items()} == {
+        "images": (batch, 3, resolution, resolution), "boxes": (batch, cap, 4), "labels": (batch, cap),
+        "valid": (batch, cap), "image_id": (batch,), "orig_size": (batch, 2)}
+    for i, (image, target) in enumerate(samples):
+        check_row(target, out["boxes"][i], out["labels"][i], out["valid"][i], cap)
+        assert torch.equal(out["images"][i], image) and int(out["image_id"][i]) == int(target["image_id"])
+        assert torch.equal(out["orig_size"][i], target["orig_size"])
+
+
+def test_static_collate_refuses_another_resolution() -> None:
+    target = {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64), "image_id": torch.tensor([3]),
+              "orig_size": torch.tensor([5, 5])}
+    with pytest.raises(ValueError, match=r"image_id 3: transformed to \(3, 8, 16\), expected \(3, 8, 8\)"):
+        StaticCollate(4, 8)([(torch.zeros(3, 8, 16), target)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=st.integers(1, 6), data=st.data())
+def test_eval_collate_pads_to_the_global_batch(batch: int, data: st.DataObject) -> None:
+    real = data.draw(st.integers(1, batch))
+    samples = [(torch.rand(3, 8, 8), data.draw(targets(max_objects=3))) for _ in range(real)]
+    out = EvalCollate(batch, 8)(samples)
+    assert out["images"].shape == (batch, 3, 8, 8) and out["orig_size"].shape == (batch, 2)
+    assert torch.equal(out["real"], torch.arange(batch) < real)
+    assert out["image_id"][:real].tolist() == [int(t["image_id"]) for _, t in samples]
+    assert (out["image_id"][real:] == -1).all() and not out["images"][real:].any()
+    assert torch.equal(out["orig_size"][:real], torch.stack([t["orig_size"] for _, t in samples]))

@@ -101,11 +101,15 @@ def validate(
 ) -> dict[str, float]:
     """COCO-evaluate a checkpoint on a dataset split on the mesh (one compiled eval graph, pycocotools COCOeval).
 
+    A ``fit`` checkpoint carries its config: the architecture is always the checkpoint's, and its dataset, batch
+    sizes, precision and eval settings are the defaults that options given here (other than their defaults) replace.
+
     Args:
-        checkpoint: A checkpoint written by ``fit`` (``last.pth``/``best.pth``) or a ``{"model": state_dict}`` file.
+        checkpoint: A weight file written by ``fit`` (``last.pth``/``best.pth``), an rfdetr checkpoint
+            (``{"model", "args"}``) or a ``{"model": state_dict}`` file.
         output_dir: Where ``coco_eval.json`` (summary + per-class AP) and ``detections.json`` go; default
             ``<checkpoint dir>/eval_<checkpoint stem>_<split>``.
-        model: Which RF-DETR to build (as trained).
+        model: Which RF-DETR to build, for checkpoints that do not record it (a ``fit`` checkpoint's wins).
         data: Dataset (``dataset_dir``) and batch size.
         optim: Unused (accepted so a training config can be passed as is).
         mesh: The device mesh.
@@ -113,12 +117,12 @@ def validate(
         eval: Split, eval batch size and detections per image.
         checkpointing: Unused (accepted so a training config can be passed as is).
     """
-    from spmd_rfdetr import evaluate
+    from spmd_rfdetr import inference
 
     cfg = RunConfig(
         model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing
     )
-    return evaluate.evaluate_checkpoint(cfg, checkpoint, output_dir).metrics.record()
+    return inference.evaluate_checkpoint(cfg, checkpoint, output_dir).metrics.record()
 
 
 def predict(
@@ -135,12 +139,14 @@ def predict(
 ) -> Path:
     """Detect objects in every image of a folder on the mesh and write COCO results JSON.
 
+    The architecture, dataset (for category ids) and batch sizes come from a ``fit`` checkpoint as for ``validate``.
+
     Args:
-        checkpoint: A checkpoint written by ``fit`` or a ``{"model": state_dict}`` file.
+        checkpoint: A weight file written by ``fit``, an rfdetr checkpoint or a ``{"model": state_dict}`` file.
         images: Folder of images (jpg/png/...); ids come from its ``_annotations.coco.json`` if present, else from
             the sorted file order (listed in ``<output stem>.images.json``).
         output: COCO results file to write: ``[{"image_id", "category_id", "bbox": [x, y, w, h], "score"}]``.
-        model: Which RF-DETR to build (as trained).
+        model: Which RF-DETR to build, for checkpoints that do not record it (a ``fit`` checkpoint's wins).
         data: ``dataset_dir`` gives the category ids (its train split's label mapping); batch size.
         optim: Unused (accepted so a training config can be passed as is).
         mesh: The device mesh.
@@ -148,12 +154,46 @@ def predict(
         eval: Eval batch size and detections per image.
         checkpointing: Unused (accepted so a training config can be passed as is).
     """
-    from spmd_rfdetr import evaluate
+    from spmd_rfdetr import inference
 
     cfg = RunConfig(
         model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing
     )
-    return evaluate.predict(cfg, checkpoint, images, output)
+    return inference.predict(cfg, checkpoint, images, output)
+
+
+def export(
+    checkpoint: str,
+    format: str = "onnx",
+    output: str | None = None,
+    batch_size: int = 1,
+    dynamic_batch: bool = False,
+    opset_version: int = 17,
+    model: ModelOptions = ModelOptions(),
+) -> Path:
+    """Export a checkpoint with upstream rfdetr's own exporter (``RFDETR.export``), on the CPU (no XLA).
+
+    Exits with status 2 and names the pip extra to install when the format's optional dependencies are missing.
+
+    Args:
+        checkpoint: A weight file written by ``fit`` (its architecture is used), an rfdetr checkpoint or a
+            ``{"model": state_dict}`` file.
+        format: rfdetr's export format: ``onnx`` (the ``rfdetr[onnx]`` extra), or another rfdetr knows (``tflite``,
+            ``tensorrt``, ``openvino`` ..., each with the extra of its name).
+        output: File to write; default: the checkpoint's path with the format's suffix (``best.onnx``).
+        batch_size: Batch size baked into the exported graph.
+        dynamic_batch: Export a dynamic batch dimension (formats that support it).
+        opset_version: ONNX opset.
+        model: Which RF-DETR to build, for checkpoints that do not record it (a ``fit`` checkpoint's wins).
+    """
+    from spmd_rfdetr.export import MissingExportDependencies, export_checkpoint
+
+    try:
+        return export_checkpoint(checkpoint, format, output, model=model, batch_size=batch_size,
+                                 dynamic_batch=dynamic_batch, opset_version=opset_version)
+    except MissingExportDependencies as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 #: Errors the user fixes in the config, the data or a path: one message and exit status 2.
@@ -175,7 +215,8 @@ def main(args: list[str] | None = None) -> None:
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "0") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    verbs = {"fit": fit, "check-data": check_data, "validate": validate, "predict": predict, "synth": synth}
+    verbs = {"fit": fit, "check-data": check_data, "validate": validate, "predict": predict, "export": export,
+             "synth": synth}
     try:
         CLI(verbs, args=argv, as_positional=False, parser_class=_Parser)
     except USER_ERRORS as error:

@@ -1,4 +1,4 @@
-"""Evaluation and prediction on the mesh: static-shape batches, one compiled eval graph, COCO mAP on the host.
+"""The eval program on the mesh: static-shape batches, one compiled forward + post-processing, COCO mAP on the host.
 
 The device part is ONE program per batch shape, compiled with ``torch.compile(backend="openxla")`` (correct for
 inference under SPMD; training keeps ``torch_xla.compile``): rfdetr's model forward in eval mode, then rfdetr's own
@@ -6,11 +6,7 @@ inference under SPMD; training keeps ``torch_xla.compile``): rfdetr's model forw
 the ORIGINAL image size, clamped), packed into one ``[B, K, 6]`` tensor ``(score, label, x0, y0, x1, y1)``. The batch
 is sharded on the ``data`` axis; the last partial batch is padded to the full global batch with blank images that are
 marked ``real=False`` on the host and never reach the metrics. Results leave the device once per batch (one transfer
-of that tensor, fetched while the next batch runs).
-
-On the host, detections become COCO results (``image_id``, the dataset's real ``category_id`` via its ``label2cat``,
-``bbox`` xywh in pixels, ``score``) and pycocotools' ``COCOeval`` scores them: AP, AP50, AP75, APs/m/l, AR@1/10/100,
-ARs/m/l and a per-class AP table.
+of that tensor, fetched while the next batch runs). Scoring is :mod:`spmd_rfdetr.coco`'s.
 
 Under SPMD there is one process and the predictions are global tensors: no pickled ``all_gather``, no device probing.
 """
@@ -18,12 +14,8 @@ Under SPMD there is one process and the predictions are global tensors: no pickl
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import inspect
-import io
 import json
-import logging
 import math
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -35,16 +27,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from spmd_rfdetr.coco import CocoMetrics, coco_metrics, detections_to_coco, label2cat_of
 from spmd_rfdetr.config import RunConfig
-
-log = logging.getLogger(__name__)
-
-#: Columns of a packed detection row.
-SCORE, LABEL, BOXES = 0, 1, slice(2, 6)
-#: ``eval/...`` keys of :attr:`CocoMetrics.stats`, in pycocotools' ``COCOeval.stats`` order.
-STAT_NAMES = ("mAP", "mAP50", "mAP75", "mAP_small", "mAP_medium", "mAP_large",
-              "AR1", "AR10", "AR100", "AR_small", "AR_medium", "AR_large")
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -205,80 +189,9 @@ def eval_loader(dataset: Dataset[Any], global_batch_size: int, resolution: int, 
     )
 
 
-class ImageFolder(Dataset):  # type: ignore[type-arg]
-    """The images of a folder, decoded and transformed exactly like an eval split (rfdetr's decoder and val transforms).
-
-    Image ids come from the folder's ``_annotations.coco.json`` when it has one (so predictions line up with that
-    split's ground truth), otherwise they are positions in the sorted file list.
-    """
-
-    def __init__(self, folder: str | Path, transforms: Any) -> None:
-        from rfdetr.datasets.coco import ConvertCoco
-
-        self.folder = Path(folder)
-        if not self.folder.is_dir():
-            raise FileNotFoundError(f"--images {folder}: not a directory")
-        self.files = sorted(p.name for p in self.folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-        if not self.files:
-            raise FileNotFoundError(f"--images {folder}: no images ({', '.join(IMAGE_SUFFIXES)})")
-        annotations = self.folder / "_annotations.coco.json"
-        ids: dict[str, int] = {}
-        if annotations.exists():
-            ids = {im["file_name"]: int(im["id"]) for im in json.loads(annotations.read_text())["images"]}
-        self.ids = [ids.get(name, -1) for name in self.files] if ids else list(range(len(self.files)))
-        if -1 in self.ids:
-            missing = [n for n, i in zip(self.files, self.ids) if i == -1]
-            raise ValueError(f"{annotations} does not list {len(missing)} image(s) of the folder, e.g. {missing[0]}")
-        self.transforms = transforms
-        self.prepare = ConvertCoco()
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        from rfdetr.datasets.io_utils import decode_pil_image
-
-        image, _ = decode_pil_image(self.folder / self.files[index])  # full-size decode, as eval splits do
-        image, target = self.prepare(image, {"image_id": self.ids[index], "annotations": []})
-        return self.transforms(image, target)
-
-    def images_json(self) -> list[dict[str, Any]]:
-        """``[{"id", "file_name"}]`` for the folder (written next to the predictions)."""
-        return [{"id": i, "file_name": n} for i, n in zip(self.ids, self.files)]
-
-
-def eval_transforms(cfgs: Any) -> Any:
-    """The val-split transform pipeline rfdetr's dataset readers use for this model (resize + normalize)."""
-    from rfdetr.datasets.coco import make_coco_transforms, make_coco_transforms_square_div_64
-
-    ns = cfgs.namespace()
-    make = make_coco_transforms_square_div_64 if ns.square_resize_div_64 else make_coco_transforms
-    return make("val", cfgs.model.resolution, patch_size=ns.patch_size, num_windows=ns.num_windows)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
-# Running batches and COCO metrics
+# Running batches
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def detections_to_coco(
-    rows: np.ndarray, image_ids: Iterable[int], label2cat: dict[int, int] | None
-) -> list[dict[str, Any]]:
-    """COCO results from packed rows ``[N, K, 6]`` of real images, like rfdetr's ``CocoEvaluator.prepare``.
-
-    ``label2cat`` maps rfdetr's label index back to the dataset's COCO ``category_id``; labels it does not map (e.g.
-    rfdetr's extra "no object" logit) are dropped, as upstream does. ``None`` keeps label indices as ids.
-    """
-    results = []
-    for image_rows, image_id in zip(rows, image_ids):
-        boxes = image_rows[:, BOXES].astype(np.float32, copy=True)
-        boxes[:, 2:] -= boxes[:, :2]  # xyxy -> xywh, in float32 like upstream's _xyxy_to_xywh
-        scores, labels = image_rows[:, SCORE].tolist(), image_rows[:, LABEL].astype(np.int64).tolist()
-        for box, score, label in zip(boxes.tolist(), scores, labels):
-            category = label if label2cat is None else label2cat.get(label)
-            if category is not None:
-                results.append({"image_id": int(image_id), "category_id": int(category), "bbox": box, "score": score})
-    return results
 
 
 def run_detection(
@@ -311,107 +224,6 @@ def run_detection(
     if not rows:
         return np.zeros((0, 0, 6), np.float32), np.zeros((0,), np.int64)
     return np.concatenate(rows), np.concatenate(ids)
-
-
-@dataclass
-class CocoMetrics:
-    """pycocotools' bbox summary (``stats``, keys of :data:`STAT_NAMES`) and per-class AP."""
-
-    stats: dict[str, float]
-    per_class: list[dict[str, Any]]
-    num_images: int
-    num_detections: int
-
-    def record(self, prefix: str = "eval/") -> dict[str, float]:
-        """Flat ``{"eval/mAP": ...}`` for ``metrics.jsonl``."""
-        return {f"{prefix}{k}": v for k, v in self.stats.items()}
-
-    def table(self) -> str:
-        """The summary and the per-class table, as printed."""
-        head = "  ".join(f"{k} {v:.4f}" for k, v in self.stats.items())
-        lines = [f"COCO bbox ({self.num_images} images, {self.num_detections} detections): {head}",
-                 f"{'class':<20} {'id':>5} {'AP':>7} {'AP50':>7} {'AP75':>7} {'gt':>6}"]
-        for row in self.per_class:
-            lines.append(f"{row['name']:<20} {row['category_id']:>5} {row['AP']:>7.4f} {row['AP50']:>7.4f} "
-                         f"{row['AP75']:>7.4f} {row['num_gt']:>6}")
-        return "\n".join(lines)
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def _mean_valid(values: np.ndarray) -> float:
-    valid = values[values > -1]
-    return float(valid.mean()) if valid.size else -1.0
-
-
-def coco_metrics(coco_gt: Any, results: list[dict[str, Any]], image_ids: Iterable[int]) -> CocoMetrics:
-    """Score COCO results against ``coco_gt`` on ``image_ids`` with pycocotools (maxDets 1/10/100)."""
-    from pycocotools.coco import COCO
-    from pycocotools.cocoeval import COCOeval
-
-    gt = coco_gt
-    if type(gt) is not COCO:  # e.g. faster-coco-eval's COCO: rebuild a pycocotools one
-        gt = COCO()
-        gt.dataset = copy.deepcopy(coco_gt.dataset)
-        with contextlib.redirect_stdout(io.StringIO()):
-            gt.createIndex()
-    img_ids = sorted({int(i) for i in image_ids})
-    with contextlib.redirect_stdout(io.StringIO()):
-        dt = gt.loadRes([dict(r) for r in results]) if results else _empty_results(gt)  # loadRes adds keys
-        evaluator = COCOeval(gt, dt, iouType="bbox")
-        evaluator.params.imgIds = img_ids
-        evaluator.evaluate()
-        evaluator.accumulate()
-        evaluator.summarize()
-    stats = {name: float(v) for name, v in zip(STAT_NAMES, evaluator.stats)}
-    precision = evaluator.eval["precision"]  # [iou T, recall R, class K, area A, maxDets M]
-    gt_counts: dict[int, int] = {}
-    for image_id in img_ids:
-        for ann in gt.imgToAnns.get(image_id, []):
-            if not ann.get("iscrowd", 0):
-                gt_counts[ann["category_id"]] = gt_counts.get(ann["category_id"], 0) + 1
-    per_class = []
-    for k, category_id in enumerate(evaluator.params.catIds):
-        if category_id not in gt_counts and not any(r["category_id"] == category_id for r in results):
-            continue  # e.g. a Roboflow root category: never annotated, never predicted
-        p = precision[:, :, k, 0, -1]
-        per_class.append({
-            "category_id": int(category_id),
-            "name": str(gt.cats[category_id].get("name", category_id)),
-            "AP": _mean_valid(p),
-            "AP50": _mean_valid(p[0]),
-            "AP75": _mean_valid(p[5]),
-            "num_gt": gt_counts.get(category_id, 0),
-        })
-    return CocoMetrics(stats, per_class, len(img_ids), len(results))
-
-
-def _empty_results(gt: Any) -> Any:
-    from pycocotools.coco import COCO
-
-    dt = COCO()
-    dt.dataset = {"images": copy.deepcopy(gt.dataset["images"]), "categories": copy.deepcopy(gt.dataset["categories"]),
-                  "annotations": []}
-    dt.createIndex()
-    return dt
-
-
-def label2cat_of(dataset: Dataset[Any]) -> dict[int, int] | None:
-    """rfdetr's label index -> COCO category_id mapping of a dataset split (``None``: labels are category ids)."""
-    from rfdetr.datasets import get_coco_api_from_dataset
-
-    coco = get_coco_api_from_dataset(dataset)
-    mapping = getattr(coco, "label2cat", None)
-    return {int(k): int(v) for k, v in mapping.items()} if mapping is not None else None
-
-
-def label2cat_for(dataset_dir: str) -> dict[int, int] | None:
-    """The train split's label -> category_id mapping of a Roboflow COCO dataset (what training used), if readable."""
-    from rfdetr.datasets.coco import _train_split_cat2label
-
-    cat2label = _train_split_cat2label(Path(dataset_dir)) if Path(dataset_dir).is_dir() else None
-    return {label: cat for cat, label in cat2label.items()} if cat2label else None
 
 
 @dataclass
@@ -544,79 +356,3 @@ def evaluator_for(cfg: RunConfig, cfgs: Any, model: torch.nn.Module, fabric: Any
         model, dataset, mesh=fabric.strategy.mesh, global_batch_size=batch_size, resolution=cfgs.model.resolution,
         num_select=num_select, autocast=fabric.strategy.precision.forward_context, num_workers=cfg.data.num_workers,
     )
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# validate / predict (CLI verbs)
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def _load_for_inference(cfg: RunConfig, checkpoint: str) -> tuple[Any, Any, torch.nn.Module]:
-    """Runtime + Fabric + rfdetr model with the checkpoint's weights, on the mesh: (fabric, upstream configs, model)."""
-    from spmd_rfdetr.config import resolve_and_check
-    from spmd_rfdetr.runtime import PRECISIONS, setup_runtime
-
-    setup_runtime(cfg.mesh)
-    import torch_xla.runtime as xr
-
-    resolve_and_check(cfg, xr.global_runtime_device_count())
-    from spmd_rfdetr.data import num_classes_in
-    from spmd_rfdetr.fabric import spmd_fabric
-    from spmd_rfdetr.mesh import build_mesh
-    from spmd_rfdetr.model import build_model, upstream_configs
-
-    path = Path(checkpoint)
-    if not path.is_file():
-        raise FileNotFoundError(f"--checkpoint {checkpoint}: no such file")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    saved = state.get("config") or {} if isinstance(state, dict) else {}
-    weights = state["model"] if isinstance(state, dict) and "model" in state else state
-    num_classes = (cfg.model.num_classes or (saved.get("model") or {}).get("num_classes")
-                   or num_classes_in(cfg.data.dataset_dir))
-    fabric = spmd_fabric(build_mesh(cfg.mesh.data), precision=PRECISIONS[cfg.trainer.precision])
-    cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, num_classes)
-    net = build_model(cfgs)
-    net.load_state_dict(weights)
-    net = fabric.setup_module(net.eval())
-    return fabric, cfgs, net
-
-
-def evaluate_checkpoint(cfg: RunConfig, checkpoint: str, output_dir: str | None = None) -> EvalResult:
-    """COCO-evaluate ``checkpoint`` on ``eval.split``; writes ``coco_eval.json`` + ``detections.json``.
-
-    ``output_dir`` defaults to ``<checkpoint dir>/eval_<checkpoint stem>_<split>``.
-    """
-    from spmd_rfdetr.data import build_split
-
-    fabric, cfgs, net = _load_for_inference(cfg, checkpoint)
-    result = evaluator_for(cfg, cfgs, net, fabric, build_split(cfgs, cfg.eval.split)).run()
-    out = Path(output_dir) if output_dir else Path(checkpoint).parent / f"eval_{Path(checkpoint).stem}_{cfg.eval.split}"
-    summary = save_result(result, out)
-    print(result.metrics.table(), flush=True)
-    log.info("wrote %s and %s", summary, out / "detections.json")
-    return result
-
-
-def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
-    """Detect on every image of the folder ``images``; writes COCO results to ``output`` (+ ``.images.json``).
-
-    Category ids are the dataset's (``data.dataset_dir``'s train split label mapping, as in training); boxes are
-    ``[x, y, w, h]`` in pixels of each original image; ``num_select`` detections per image, no score threshold.
-    """
-    fabric, cfgs, net = _load_for_inference(cfg, checkpoint)
-    folder = ImageFolder(images, eval_transforms(cfgs))
-    label2cat = label2cat_for(cfg.data.dataset_dir)
-    if label2cat is None:
-        log.warning("%s has no readable train/_annotations.coco.json: category_id is the label index",
-                    cfg.data.dataset_dir)
-    batch_size, num_select = eval_sizes(cfg, cfgs)
-    forward = EvalForward(net, num_select, fabric.strategy.precision.forward_context)
-    loader = eval_loader(folder, batch_size, cfgs.model.resolution, cfg.data.num_workers)
-    rows, ids = run_detection(forward, loader, device_sender(fabric.strategy.mesh))
-    results = detections_to_coco(rows, ids, label2cat)
-    out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results))
-    out.with_suffix(".images.json").write_text(json.dumps(folder.images_json()))
-    print(f"predict: {len(folder)} images, {len(results)} detections -> {out}", flush=True)
-    return out

@@ -19,6 +19,7 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 from spmd_rfdetr import evaluate as ev
+from spmd_rfdetr.coco import BOXES, SCORE
 from spmd_rfdetr.step import as_samples
 
 from conftest import EVAL_EVERY  # tests/ is on sys.path (rootdir conftest, no __init__.py)
@@ -115,8 +116,8 @@ def test_padded_split_one_eval_graph_and_upstream_eager_parity(tiny, trained_sta
     assert result.metrics.stats["mAP50"] > 0.05, result.metrics.stats  # a non-trivial model, not all zeros
     np.testing.assert_allclose(ours, ref_stats, atol=1e-4, rtol=0)
     rows, _ = ev.run_detection(evaluator.forward, evaluator.loader, evaluator.to_device)
-    np.testing.assert_allclose(rows[..., ev.SCORE], ref_rows[..., ev.SCORE], atol=1e-4)
-    np.testing.assert_allclose(rows[..., ev.BOXES], ref_rows[..., ev.BOXES], atol=1e-2)  # pixels of a 160 px image
+    np.testing.assert_allclose(rows[..., SCORE], ref_rows[..., SCORE], atol=1e-4)
+    np.testing.assert_allclose(rows[..., BOXES], ref_rows[..., BOXES], atol=1e-2)  # pixels of a 160 px image
 
 
 def test_map_equals_pycocotools_on_the_detections_json(first_eval, synth_dir, tmp_path):
@@ -141,12 +142,12 @@ def test_map_equals_pycocotools_on_the_detections_json(first_eval, synth_dir, tm
 
 
 def test_validate_and_predict_cli_match_eval(fit_run, synth_dir, tmp_path):
-    """The user's flow: the run's own config.yaml and last.pth, then `validate` and `predict` (in this process)."""
+    """The user's flow: the run's last.pth alone, then `validate` and `predict` (in this process). No --config: the
+    tiny architecture (not rfdetr's Nano default), dataset and batch size come from the checkpoint."""
     from spmd_rfdetr.cli import main
 
-    config, checkpoint = fit_run / "config.yaml", fit_run / "last.pth"
-    main(["validate", "--config", str(config), "--checkpoint", str(checkpoint),
-          "--output_dir", str(tmp_path / "val")])
+    checkpoint = fit_run / "last.pth"
+    main(["validate", "--checkpoint", str(checkpoint), "--output_dir", str(tmp_path / "val")])
     summary = json.loads((tmp_path / "val" / "coco_eval.json").read_text())
     assert summary["num_images"] == 40 and summary["stats"]["mAP50"] > 0.05
     eval_detections = json.loads((tmp_path / "val" / "detections.json").read_text())
@@ -156,8 +157,7 @@ def test_validate_and_predict_cli_match_eval(fit_run, synth_dir, tmp_path):
     names = sorted(p.name for p in (Path(synth_dir) / "valid").glob("*.jpg"))[::8]  # 5 images: one padded batch
     for name in names:
         shutil.copy(Path(synth_dir) / "valid" / name, folder / name)
-    main(["predict", "--config", str(config), "--checkpoint", str(checkpoint),
-          "--images", str(folder), "--output", str(tmp_path / "pred.json")])
+    main(["predict", "--checkpoint", str(checkpoint), "--images", str(folder), "--output", str(tmp_path / "pred.json")])
     predictions = json.loads((tmp_path / "pred.json").read_text())
     listed = {im["id"]: im["file_name"] for im in json.loads((tmp_path / "pred.images.json").read_text())}
     gt_ids = {im["file_name"]: im["id"] for im in

@@ -1,0 +1,104 @@
+"""The ``validate`` and ``predict`` verbs: a checkpoint's model on the mesh, run by :mod:`spmd_rfdetr.evaluate`.
+
+The architecture comes from the checkpoint (:func:`spmd_rfdetr.weights.inference_config`), so
+``validate --checkpoint output/best.pth`` needs no ``--config``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spmd_rfdetr.checks import check_data
+from spmd_rfdetr.coco import detections_to_coco, label2cat_for
+from spmd_rfdetr.config import RunConfig
+from spmd_rfdetr.evaluate import (
+    EvalForward,
+    EvalResult,
+    device_sender,
+    eval_loader,
+    eval_sizes,
+    evaluator_for,
+    run_detection,
+    save_result,
+)
+from spmd_rfdetr.images import ImageFolder, eval_transforms
+from spmd_rfdetr.weights import inference_config, read_weights
+
+log = logging.getLogger(__name__)
+
+
+def load_for_inference(cfg: RunConfig, checkpoint: str) -> tuple[RunConfig, Any, Any, torch.nn.Module]:
+    """Runtime + Fabric + rfdetr model with the checkpoint's weights, on the mesh.
+
+    Returns (the config completed from the checkpoint, fabric, upstream configs, model).
+    """
+    from spmd_rfdetr.config import resolve_and_check
+    from spmd_rfdetr.runtime import PRECISIONS, setup_runtime
+
+    saved = read_weights(checkpoint)
+    cfg = inference_config(cfg, saved)
+    setup_runtime(cfg.mesh)
+    import torch_xla.runtime as xr
+
+    resolve_and_check(cfg, xr.global_runtime_device_count())
+    from spmd_rfdetr.data import num_classes_in
+    from spmd_rfdetr.fabric import spmd_fabric
+    from spmd_rfdetr.mesh import build_mesh
+    from spmd_rfdetr.model import build_model, upstream_configs
+
+    num_classes = cfg.model.num_classes or num_classes_in(cfg.data.dataset_dir)
+    fabric = spmd_fabric(build_mesh(cfg.mesh.data), precision=PRECISIONS[cfg.trainer.precision])
+    cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, num_classes)
+    net = build_model(cfgs)  # an rfdetr checkpoint is loaded here, by rfdetr (cfg.model.pretrain_weights)
+    if saved.kind != "rfdetr":
+        net.load_state_dict(saved.state_dict)
+    net = fabric.setup_module(net.eval())
+    return cfg, fabric, cfgs, net
+
+
+def evaluate_checkpoint(cfg: RunConfig, checkpoint: str, output_dir: str | None = None) -> EvalResult:
+    """COCO-evaluate ``checkpoint`` on ``eval.split``; writes ``coco_eval.json`` + ``detections.json``.
+
+    ``output_dir`` defaults to ``<checkpoint dir>/eval_<checkpoint stem>_<split>``.
+    """
+    from spmd_rfdetr.data import build_split
+
+    cfg, fabric, cfgs, net = load_for_inference(cfg, checkpoint)
+    check_data(cfg, [cfg.eval.split])  # the split's annotations and images, before the eval program compiles
+    result = evaluator_for(cfg, cfgs, net, fabric, build_split(cfgs, cfg.eval.split)).run()
+    out = Path(output_dir) if output_dir else Path(checkpoint).parent / f"eval_{Path(checkpoint).stem}_{cfg.eval.split}"
+    summary = save_result(result, out)
+    print(result.metrics.table(), flush=True)
+    log.info("wrote %s and %s", summary, out / "detections.json")
+    return result
+
+
+def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
+    """Detect on every image of the folder ``images``; writes COCO results to ``output`` (+ ``.images.json``).
+
+    Category ids are the dataset's (``data.dataset_dir``'s train split label mapping, as in training); boxes are
+    ``[x, y, w, h]`` in pixels of each original image; ``num_select`` detections per image, no score threshold.
+    """
+    cfg, fabric, cfgs, net = load_for_inference(cfg, checkpoint)
+    check_data(cfg, [], images=images)  # every image of the folder readable, before the eval program compiles
+    folder = ImageFolder(images, eval_transforms(cfgs))
+    label2cat = label2cat_for(cfg.data.dataset_dir)
+    if label2cat is None:
+        log.warning("%s has no readable train/_annotations.coco.json: category_id is the label index",
+                    cfg.data.dataset_dir)
+    batch_size, num_select = eval_sizes(cfg, cfgs)
+    forward = EvalForward(net, num_select, fabric.strategy.precision.forward_context)
+    loader = eval_loader(folder, batch_size, cfgs.model.resolution, cfg.data.num_workers)
+    rows, ids = run_detection(forward, loader, device_sender(fabric.strategy.mesh))
+    results = detections_to_coco(rows, ids, label2cat)
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results))
+    out.with_suffix(".images.json").write_text(json.dumps(folder.images_json()))
+    print(f"predict: {len(folder)} images, {len(results)} detections -> {out}", flush=True)
+    return out

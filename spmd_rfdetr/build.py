@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from spmd_rfdetr.config import OptimOptions, TrainerOptions
+from spmd_rfdetr.config import ModelOptions, OptimOptions, TrainerOptions
+from spmd_rfdetr.ema import DeviceEMA
 from spmd_rfdetr.loss import build_criterion
 from spmd_rfdetr.model import (
     DeviceLRSchedule,
@@ -33,6 +34,12 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     schedule: DeviceLRSchedule
     step: TrainStep
+    ema: DeviceEMA | None = None
+
+    @property
+    def inference_model(self) -> torch.nn.Module:
+        """The weights to evaluate, export and save as ``last.pth``/``best.pth``: the EMA's when it is on."""
+        return self.ema.module if self.ema is not None else unwrap(self.model)
 
 
 def build_trainer(
@@ -42,10 +49,12 @@ def build_trainer(
     trainer: TrainerOptions,
     *,
     model: torch.nn.Module | None = None,
+    ema: ModelOptions | None = None,
 ) -> Trainer:
     """Build (or take ``model``, a CPU module), set it up on ``fabric``'s mesh and wire the compiled step.
 
-    ``trainer.max_steps`` sizes the cosine schedule; ``trainer.matcher`` picks the assignment solver.
+    ``trainer.max_steps`` sizes the cosine schedule; ``trainer.matcher`` picks the assignment solver; ``ema`` (a
+    :class:`ModelOptions` with ``ema`` on) adds the EMA of the weights to the step.
     """
     net = build_model(cfgs) if model is None else model
     criterion = build_criterion(build_upstream_criterion(cfgs)[0], solver=trainer.matcher).train()
@@ -53,8 +62,14 @@ def build_trainer(
     net, optimizer = fabric.setup(net, optimizer)
     net.train()
     schedule = DeviceLRSchedule(optimizer, optim, trainer.max_steps)
+    averaged = DeviceEMA(unwrap(net), ema.ema_decay, ema.ema_tau) if ema is not None and ema.ema else None
     step = TrainStep(
         net, criterion, optimizer, clip_max_norm=optim.clip_max_norm, full_graph=trainer.matcher == "device",
-        schedule=schedule, mode="openxla" if trainer.compile_backend == "openxla" else trainer.step_mode,
+        schedule=schedule, ema=averaged, mode="openxla" if trainer.compile_backend == "openxla" else trainer.step_mode,
     )
-    return Trainer(net, criterion, optimizer, schedule, step)
+    return Trainer(net, criterion, optimizer, schedule, step, averaged)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside Fabric's wrapper (its ``state_dict`` keys are rfdetr's)."""
+    return getattr(model, "module", model)

@@ -32,7 +32,10 @@ class ModelOptions:
     num_classes: int | None = None
     """Number of classes; ``None`` reads it from the dataset."""
     pretrain_weights: str | None = None
-    """Path to an RF-DETR ``.pth`` checkpoint to start from; ``None`` trains from scratch (no download happens)."""
+    """RF-DETR checkpoint to start from (``None``: from scratch): a local ``.pth`` (rfdetr's or a ``fit`` weight
+    file), or a published rfdetr name such as ``rf-detr-nano.pth``, which rfdetr downloads into its cache
+    (``$RF_HOME``, default ``~/.roboflow/models``) unless it is there already. A class head of another size is resized
+    to ``num_classes`` by rfdetr's own loader."""
     ema: bool = True
     """Keep an exponential moving average of the weights inside the compiled step (rfdetr's ``ModelEma``, on by
     default as upstream). Evaluation, ``best.pth``, ``last.pth`` and exports then use the EMA weights."""
@@ -137,6 +140,10 @@ class TrainerOptions:
     near zero; a second trace at step 2 checks nothing per-step was baked in, else it falls back to ``trace``).
     ``trace``: lazy tracing re-runs the step's Python every step (``torch_xla.compile``). ``matcher=scipy`` always
     traces."""
+    on_nonfinite: Literal["stop", "skip_step"] = "stop"
+    """A step whose loss or gradient norm is NaN/inf never changes the weights (checked on the device). ``stop``: fit
+    stops at the next log or checkpoint point, naming the steps; ``skip_step``: training goes on, the skipped steps are
+    counted in ``metrics.jsonl`` (``nonfinite_steps``)."""
     resume: str | None = None
     """``auto``: continue from the newest complete checkpoint in ``output_dir/checkpoints`` (a fresh start if there is
     none); a path: continue from that checkpoint directory; ``None``: start fresh."""

@@ -12,13 +12,15 @@ affected (naming the first files) and keeps each such image's ``max_targets`` la
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from rfdetr.datasets import build_dataset, get_coco_api_from_dataset
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from spmd_rfdetr.config import DataOptions
 from spmd_rfdetr.model import UpstreamConfigs
@@ -33,6 +35,15 @@ def num_classes_in(dataset_dir: str) -> int:
     from rfdetr.detr import RFDETR
 
     return RFDETR._detect_num_classes_for_training(dataset_dir)
+
+
+def class_names(dataset: Dataset[Any], num_classes: int) -> list[str]:
+    """Category names indexed by training label, as rfdetr's dataset maps categories to labels ('' where unnamed)."""
+    coco = get_coco_api_from_dataset(dataset)
+    if coco is None:
+        return [""] * num_classes
+    label2cat = getattr(coco, "label2cat", None) or {i: i for i in range(num_classes)}
+    return [coco.cats.get(int(label2cat.get(label, -1)), {}).get("name", "") for label in range(num_classes)]
 
 
 def build_split(cfgs: UpstreamConfigs, split: str) -> Dataset[Any]:
@@ -129,32 +140,75 @@ class StaticCollate:
         }
 
 
-def make_loader(
-    dataset: Dataset[Any], data: DataOptions, resolution: int, *, train: bool, seed: int = 0
+class TrainBatches(Sampler[list[tuple[int, int]]]):
+    """Endless shuffled training batches, each a list of ``(epoch, index)``: a pure function of the seed and the step.
+
+    Epoch ``e`` is a permutation drawn from ``seed`` and ``e`` alone (the last partial batch is dropped), so the
+    batches from ``start_step`` on are exactly those a run started at step 0 sees from there: what exact resume needs.
+    """
+
+    def __init__(self, size: int, batch_size: int, seed: int, start_step: int = 0) -> None:
+        self.size, self.batch_size, self.seed, self.start_step = size, batch_size, seed, start_step
+        self.steps_per_epoch = size // batch_size
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, batch within the epoch) of the batch a run uses at 0-based ``step``."""
+        return divmod(step, self.steps_per_epoch)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch, offset = self.position(self.start_step)
+        while True:
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+            for b in range(offset, self.steps_per_epoch):
+                yield [(epoch, int(i)) for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
+            epoch, offset = epoch + 1, 0
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+
+class SeededSamples(Dataset):  # type: ignore[type-arg]
+    """Reads ``dataset[index]`` for a ``(epoch, index)`` key with the host RNGs seeded from (seed, epoch, index).
+
+    rfdetr's augmentations draw from torch's, Python's and NumPy's global RNGs; seeding them per sample makes every
+    augmented image a function of its key, independent of worker count, prefetching and where a run resumed. The
+    caller's RNG states are restored afterwards.
+    """
+
+    def __init__(self, dataset: Dataset[Any], seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        sample_seed = hash((self.seed, epoch, index)) & 0xFFFF_FFFF  # ints hash to themselves: stable across runs
+        py_state, np_state = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sample_seed)
+            random.seed(sample_seed)
+            np.random.seed(sample_seed)
+            try:
+                return self.dataset[index]
+            finally:
+                random.setstate(py_state)
+                np.random.set_state(np_state)
+
+
+def make_train_loader(
+    dataset: Dataset[Any], data: DataOptions, resolution: int, *, seed: int = 0, start_step: int = 0
 ) -> DataLoader[dict[str, torch.Tensor]]:
-    """A DataLoader of static batches of ``data.global_batch_size`` (training drops the last partial batch)."""
-    if train and len(dataset) < data.global_batch_size:  # type: ignore[arg-type]
+    """Endless reproducible static batches of ``data.global_batch_size`` (:class:`TrainBatches`,
+    :class:`SeededSamples`), starting with the batch of the 0-based ``start_step``."""
+    if len(dataset) < data.global_batch_size:  # type: ignore[arg-type]
         raise ValueError(
             f"{data.dataset_dir}: the train split has {len(dataset)} images, fewer than "  # type: ignore[arg-type]
             f"data.global_batch_size={data.global_batch_size}"
         )
-    generator = torch.Generator().manual_seed(seed)
-    return DataLoader(
-        dataset,
-        batch_size=data.global_batch_size,
-        shuffle=train,
-        drop_last=train,
-        num_workers=data.num_workers,
-        collate_fn=StaticCollate(data.max_targets, resolution),
-        generator=generator,
-        persistent_workers=data.num_workers > 0,
-    )
-
-
-def forever(loader: DataLoader[Any]) -> Iterator[Any]:
-    """Cycle through epochs without end (the loop stops at ``trainer.max_steps``)."""
-    while True:
-        yield from loader
+    batches = TrainBatches(len(dataset), data.global_batch_size, seed, start_step)  # type: ignore[arg-type]
+    return DataLoader(SeededSamples(dataset, seed), batch_sampler=batches, num_workers=data.num_workers,
+                      collate_fn=StaticCollate(data.max_targets, resolution))
 
 
 def targets_list(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

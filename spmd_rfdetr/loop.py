@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 import time
 from pathlib import Path
+from types import FrameType
 
 import yaml
 
@@ -16,22 +18,27 @@ from spmd_rfdetr.runtime import PRECISIONS, setup_runtime
 log = logging.getLogger(__name__)
 
 
+class NonFiniteLoss(RuntimeError):
+    """Training stopped: a step's loss or gradient norm was NaN/inf (``trainer.on_nonfinite=stop``)."""
+
+
 def fit(cfg: RunConfig) -> Path:
-    """Train for ``trainer.max_steps`` steps; returns the path of the final checkpoint (``last.pth``)."""
-    setup_runtime(cfg.mesh)
+    """Train to ``trainer.max_steps`` (resuming if asked); returns the path of ``last.pth``, or of the checkpoint
+    saved when SIGTERM stopped the run early."""
+    setup_runtime(cfg.mesh, cfg.trainer.compile_cache_dir)
+    import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
     resolve_and_check(cfg, xr.global_runtime_device_count())
     data_report = check_data(cfg)  # every data problem at once, before anything is built or compiled (DataError)
 
-    import torch_xla.core.xla_model as xm
-
+    from spmd_rfdetr import checkpoint
     from spmd_rfdetr.build import build_trainer
-    from spmd_rfdetr.data import build_split, check_overflow, forever, make_loader, num_classes_in
+    from spmd_rfdetr.data import build_split, check_overflow, class_names, make_train_loader, num_classes_in
     from spmd_rfdetr.evaluate import fit_evaluation
     from spmd_rfdetr.fabric import spmd_fabric
     from spmd_rfdetr.mesh import build_mesh
-    from spmd_rfdetr.metrics import MetricsLog
+    from spmd_rfdetr.metrics import MetricsLog, build_loggers
     from spmd_rfdetr.model import upstream_configs
 
     t, d = cfg.trainer, cfg.data
@@ -44,48 +51,111 @@ def fit(cfg: RunConfig) -> Path:
     cfgs = upstream_configs(cfg.model, d, cfg.optim, num_classes)
     train_set = data_report.usable(build_split(cfgs, "train"), "train")  # less the images data.on_bad=skip leaves out
     check_overflow(train_set, d, "train")
-    fabric.strategy.prefetch = d.prefetch
-    loader = fabric.setup_dataloaders(make_loader(train_set, d, cfgs.model.resolution, train=True, seed=t.seed))
-    spmd_loader = loader._dataloader  # Fabric's wrapper copied the loader's attributes once; its counters live here
+    trainer = build_trainer(fabric, cfgs, cfg.optim, t, ema=cfg.model)
+    net, step_fn = trainer.model, trainer.step
+    resume_from = checkpoint.latest(out) if t.resume == "auto" else t.resume
+    meta = checkpoint.load(resume_from, checkpoint.training_state(trainer)) if resume_from else {"step": 0}
+    start = meta["step"]
+    if resume_from:
+        log.info("resumed from %s at step %d", resume_from, start)
 
-    trainer = build_trainer(fabric, cfgs, cfg.optim, t)
-    net, optimizer, step_fn = trainer.model, trainer.optimizer, trainer.step
+    fabric.strategy.prefetch = d.prefetch
+    loader = fabric.setup_dataloaders(make_train_loader(train_set, d, cfgs.model.resolution, seed=t.seed,
+                                                        start_step=start))
+    spmd_loader = loader._dataloader  # Fabric's wrapper copied the loader's attributes once; its counters live here
 
     resolved = dataclasses.asdict(cfg)
     resolved["model"]["num_classes"] = num_classes
     (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-    metrics = MetricsLog(out, t.max_steps, t.progress_bar)
-    evaluation = fit_evaluation(cfg, cfgs, net, fabric)  # every eval.every_steps steps and at the end; None if off
-    batches = forever(loader)
-    window_start, window_steps, wait_start = time.perf_counter(), 0, spmd_loader.wait_s
-    for step in range(1, t.max_steps + 1):
-        stats = step_fn(next(batches))
-        window_steps += 1
-        metrics.after_step(step)
-        eval_now = evaluation is not None and evaluation.due(step, t.max_steps)  # an eval step is also a log point
-        if step == 1 or step % t.log_every == 0 or step == t.max_steps or eval_now:
-            values = step_fn.read(stats)
-            xm.wait_device_ops()  # replayed steps run asynchronously: let the counters below see every one finish
-            elapsed = time.perf_counter() - window_start
-            record = {
-                "step": step,
-                **values,
-                "images_per_sec": window_steps * d.global_batch_size / elapsed,
-                "step_time_s": elapsed / window_steps,
-                "data_wait_s": spmd_loader.wait_s - wait_start,  # the loop waited for batches
-                "step_mode": step_fn.mode,
-                "step_traces": step_fn.traces,  # how often the step's Python ran (replay: 2 per run)
-            }
-            if eval_now:
-                record.update(evaluation(step))
-                if evaluation.improved:
-                    best = {"model": net, "optimizer": optimizer, "step": step, "config": resolved}
-                    fabric.save(out / "best.pth", best)
-                    log.info("saved %s (eval/mAP %.4f)", out / "best.pth", evaluation.best_map)
-            metrics.write(record)
-            window_start, window_steps, wait_start = time.perf_counter(), 0, spmd_loader.wait_s
+    names = class_names(train_set, num_classes)
 
-    checkpoint = out / "last.pth"
-    fabric.save(checkpoint, {"model": net, "optimizer": optimizer, "step": t.max_steps, "config": resolved})
-    log.info("saved %s", checkpoint)
-    return checkpoint
+    def save_weights(path: Path, step: int) -> Path:
+        meta = {"config": resolved, "step": step, "class_names": names, "weights": weights}
+        if trainer.ema is not None:
+            meta["ema"] = {"decay": trainer.ema.decay, "tau": trainer.ema.tau, "updates": step}
+        return checkpoint.save_weights(path, trainer.inference_model, meta)
+
+    metrics = MetricsLog(out, t.max_steps, t.progress_bar, start_step=start, loggers=build_loggers(t.loggers, out))
+    evaluation = fit_evaluation(cfg, cfgs, trainer.inference_model, fabric)  # None if off
+    if evaluation is not None:
+        evaluation.best_map = meta.get("best_map", evaluation.best_map)
+    weights = "ema" if trainer.ema is not None else "raw"
+    every = cfg.checkpointing.every_steps
+
+    def save_state(step: int) -> Path:
+        best = evaluation.best_map if evaluation is not None else None
+        state = checkpoint.training_state(trainer)
+        return checkpoint.save(out, step, state, {"best_map": best, "config": resolved}, cfg.checkpointing.keep)
+
+    batches = iter(loader)
+    window_start, window_steps, wait_start, nonfinite_seen = time.perf_counter(), 0, spmd_loader.wait_s, 0
+    with Preemption() as preemption:
+        for step in range(start + 1, t.max_steps + 1):
+            stats = step_fn(next(batches))
+            window_steps += 1
+            metrics.after_step(step)
+            eval_now = evaluation is not None and evaluation.due(step, t.max_steps)
+            save_now = preemption.requested or (every > 0 and step % every == 0)
+            if step == start + 1 or step % t.log_every == 0 or step == t.max_steps or eval_now or save_now:
+                values = step_fn.read(stats)
+                xm.wait_device_ops()  # replayed steps run asynchronously: let the counters below see every one finish
+                elapsed = time.perf_counter() - window_start
+                record = {
+                    "step": step,
+                    **values,
+                    "images_per_sec": window_steps * d.global_batch_size / elapsed,
+                    "step_time_s": elapsed / window_steps,
+                    "data_wait_s": spmd_loader.wait_s - wait_start,  # the loop waited for batches
+                    "step_mode": step_fn.mode,
+                    "step_traces": step_fn.traces,  # how often the step's Python ran (replay: 2 per run)
+                }
+                if values["nonfinite_steps"] > nonfinite_seen:
+                    first = int(values["first_nonfinite_step"])
+                    message = (f"non-finite loss or gradient at {int(values['nonfinite_steps']) - nonfinite_seen} "
+                               f"step(s) in steps {max(first, step - window_steps + 1)}..{step} (the first one in "
+                               f"this run: step {first}); those updates were not applied")
+                    nonfinite_seen = int(values["nonfinite_steps"])
+                    if t.on_nonfinite == "stop":
+                        metrics.write(record)
+                        raise NonFiniteLoss(f"{message}. Training stopped (trainer.on_nonfinite=stop); the newest "
+                                            f"checkpoint in {out / checkpoint.CHECKPOINTS} has finite weights. Lower "
+                                            "the learning rate or check the data, then --trainer.resume auto.")
+                    log.warning("%s (trainer.on_nonfinite=skip_step)", message)
+                if eval_now:
+                    record.update(evaluation(step), evaluated_weights=weights)
+                    if evaluation.improved:
+                        save_weights(out / "best.pth", step)
+                        log.info("saved %s (eval/mAP %.4f)", out / "best.pth", evaluation.best_map)
+                if save_now:
+                    saved = save_state(step)
+                metrics.write(record)  # after the save: its own device->host copies are not the next step's
+                if preemption.requested:
+                    metrics.close()
+                    print(f"stopped by SIGTERM after step {step}: saved {saved}; continue with --trainer.resume auto",
+                          flush=True)
+                    return saved
+                window_start, window_steps, wait_start = time.perf_counter(), 0, spmd_loader.wait_s
+
+    metrics.close()
+    last = save_weights(out / "last.pth", t.max_steps)
+    log.info("saved %s (%s weights)", last, weights)
+    return last
+
+
+class Preemption:
+    """While active, SIGTERM (what a spot/preemptible TPU VM gets) only sets :attr:`requested`: the loop finishes the
+    current step, saves and returns. The previous handler is restored on exit."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+        log.warning("SIGTERM received: finishing the current step, then saving a checkpoint")
+
+    def __enter__(self) -> Preemption:
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGTERM, self._previous)

@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch_xla.debug.metrics as met
@@ -23,6 +24,7 @@ def xla_counters() -> dict[str, int]:
 
     return {
         "xla_compiles": samples("CompileTime"),
+        "xla_cache_loads": met.counter_value("PersistentCacheHit") or 0,  # graphs read from the persistent cache
         "xla_executions": samples("ExecuteReplicatedTime") + samples("ExecuteTime"),
         "xla_transfers_to_host": samples("TransferFromDeviceTime"),
         "xla_aten_fallbacks": sum(met.counter_value(name) or 0 for name in met.counter_names() if name.startswith("aten::")),
@@ -40,15 +42,22 @@ class MetricsLog:
     Also watches the counters after every step: a line whenever XLA compiles, and one warning each for a compile and
     for a device->host transfer outside a log point after ``warmup_steps`` (both cost a TPU dearly; in warm-up the
     replayed step checks its second trace against the first, which reads the graph's constants once).
+
+    A resumed run (``start_step`` > 0) keeps the records up to ``start_step`` and drops later ones (the interrupted run
+    wrote them after its checkpoint; they are trained again), so every step is in the file once. ``loggers`` (Fabric
+    loggers, :func:`build_loggers`) get every numeric field of every record too.
     """
 
     def __init__(
-        self, output_dir: str | Path, max_steps: int, progress_bar: bool | None = None, warmup_steps: int = 2
+        self, output_dir: str | Path, max_steps: int, progress_bar: bool | None = None, warmup_steps: int = 2,
+        *, start_step: int = 0, loggers: Sequence[Any] = (),
     ) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._keep_until(start_step)
         self.max_steps = max_steps
-        self.warmup_steps = warmup_steps
+        self.warmup_steps = start_step + warmup_steps
+        self.loggers = list(loggers)
         self.bar = sys.stderr.isatty() if progress_bar is None else progress_bar
         self._seen = xla_counters()
         self._compiles_at_last_record = self._seen["xla_compiles"]
@@ -87,12 +96,34 @@ class MetricsLog:
         record = {**record, **counters, "xla_new_compiles": new_compiles, "time": time.time()}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        numeric = {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
+        for logger in self.loggers:
+            logger.log_metrics(numeric, step=record["step"])
         step = record["step"]
         line = f"step {step}/{self.max_steps}  loss {record['loss']:.4f}  {record['images_per_sec']:.1f} img/s"
         if self.bar:
             done = int(30 * step / self.max_steps)
             line = f"[{'#' * done}{'.' * (30 - done)}] " + line
         self._print(line)
+
+    def close(self) -> None:
+        """Flush and close the extra loggers."""
+        for logger in self.loggers:
+            logger.finalize("success")
+
+    def _keep_until(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        if step == 0:
+            log.info("metrics.jsonl: replacing the file of an earlier run in this output_dir (a fresh start)")
+            self.path.unlink()
+            return
+        lines = [line for line in self.path.read_text().splitlines() if line.strip()]
+        kept = [line for line in lines if json.loads(line)["step"] <= step]
+        if len(kept) < len(lines):
+            log.info("metrics.jsonl: dropped %d record(s) after step %d (trained again after the resume)",
+                     len(lines) - len(kept), step)
+        self.path.write_text("".join(line + "\n" for line in kept))
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
@@ -102,3 +133,11 @@ class MetricsLog:
     @staticmethod
     def _print(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
+
+
+def build_loggers(names: Sequence[str], output_dir: str | Path) -> list[Any]:
+    """Lightning Fabric's loggers by name (``tensorboard``, ``csv``), writing under ``<output_dir>/logs``."""
+    from lightning_fabric.loggers import CSVLogger, TensorBoardLogger
+
+    kinds = {"tensorboard": TensorBoardLogger, "csv": CSVLogger}
+    return [kinds[name](root_dir=str(Path(output_dir) / "logs"), name=name) for name in names]

@@ -1,21 +1,46 @@
-"""Process set-up shared by every verb (``fit``, ``validate``, ``predict``): the PJRT device, SPMD, precision names."""
+"""Process set-up shared by every verb (``fit``, ``validate``, ``predict``): the PJRT device, SPMD, the persistent
+compilation cache, precision names."""
 
 from __future__ import annotations
 
+import logging
 import os
+from pathlib import Path
 
 from spmd_rfdetr.config import MeshOptions
+
+log = logging.getLogger(__name__)
 
 #: ``trainer.precision`` -> the Fabric precision plugin's name.
 PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed"}
 
 
-def setup_runtime(mesh: MeshOptions) -> None:
-    """Choose the PJRT device (before the XLA runtime starts) and switch the process to SPMD."""
+def setup_runtime(mesh: MeshOptions, compile_cache_dir: str | None = None) -> str | None:
+    """Choose the PJRT device (before the XLA runtime starts), switch the process to SPMD and turn on the persistent
+    compilation cache where it works; returns the cache directory (``None``: off)."""
     if mesh.cpu_devices is not None and "PJRT_DEVICE" not in os.environ:
         os.environ["PJRT_DEVICE"] = "CPU"
         os.environ["CPU_NUM_DEVICES"] = str(mesh.cpu_devices)
     import torch_xla.runtime as xr
 
+    cache = _compile_cache(compile_cache_dir)
     if not xr.is_spmd():
         xr.use_spmd()
+    return cache
+
+
+def _compile_cache(cache_dir: str | None) -> str | None:
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    if torch_xla._XLAC._xla_computation_cache_is_initialized():  # a second verb in this process: it is set already
+        return os.environ.get("XLA_PERSISTENT_CACHE_PATH") or None
+    if xr.device_type() == "CPU":
+        log.info("persistent XLA compilation cache: off on the XLA CPU backend (torch_xla 2.9 cannot read its own CPU "
+                 "entries back: PersistentCacheDeserializeFailure); every run compiles its graphs")
+        return None
+    path = cache_dir or str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "spmd_rfdetr" / "xla")
+    Path(path).mkdir(parents=True, exist_ok=True)
+    xr.initialize_cache(path, readonly=False)
+    log.info("persistent XLA compilation cache: %s (a run with the same graphs loads them instead of compiling)", path)
+    return path

@@ -72,6 +72,11 @@ class TrainStep:
     Args:
         schedule: stepped inside the program (e.g. :class:`~spmd_rfdetr.model.DeviceLRSchedule`); its
             ``tensors()`` are part of the step's state.
+        ema: updated inside the program after the optimizer (:class:`~spmd_rfdetr.ema.DeviceEMA`), or ``None``.
+
+    A step whose loss or gradient norm is not finite does not change the weights or the optimizer state (each updated
+    tensor is selected on the device: no host read); the stats count such steps (``nonfinite_steps``, cumulative) and
+    name the first one (``first_nonfinite_step``, -1 while there is none), for the loop to act on at a log point.
         full_graph: ``False`` allows host syncs inside the step (``trainer.matcher=scipy``); it implies ``trace``.
         mode: ``replay``, ``trace`` or ``openxla`` (module docstring).
     """
@@ -86,16 +91,21 @@ class TrainStep:
         autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
         full_graph: bool = True,
         schedule: Any = None,
+        ema: Any = None,
         mode: StepMode = "replay",
     ) -> None:
-        self.model, self.criterion, self.optimizer, self.schedule = model, criterion, optimizer, schedule
+        self.model, self.criterion, self.optimizer, self.schedule, self.ema = model, criterion, optimizer, schedule, ema
         self.clip_max_norm = clip_max_norm
         self.autocast = autocast
         self.mode: StepMode = mode if full_graph else "trace"
         self.fallback_reason = ""  # why replay was given up for this run ('' if it was not)
         self.calls = 0
         self._lazy_traces = 0  # calls run by lazy tracing (trace mode, or after a fallback)
-        init_optimizer_state(optimizer)  # the first trace is already the steady-state graph
+        device = next(model.parameters()).device
+        self.steps_done = torch.zeros((), dtype=torch.float32, device=device)
+        self.nonfinite_steps = torch.zeros((), dtype=torch.float32, device=device)
+        self.first_nonfinite = torch.full((), -1.0, dtype=torch.float32, device=device)
+        init_optimizer_state(optimizer)  # the first trace is already the steady-state graph (this syncs)
         replicate_unannotated(self.state())  # ... with the input shardings the step's own outputs will have
         self._replayer = Replayer(self._step, self.state)
         self._compiled = torch_xla.compile(self._step, full_graph=full_graph, name="train_step")
@@ -115,7 +125,20 @@ class TrainStep:
             tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
         if self.schedule is not None:
             tensors += self.schedule.tensors()
+        if self.ema is not None:
+            tensors += self.ema.tensors()
+        tensors += self.counters()
         return [t for t in tensors if t.device.type == "xla"]
+
+    def counters(self) -> list[torch.Tensor]:
+        """The step's own device counters: steps done, non-finite steps, the first non-finite step."""
+        return [self.steps_done, self.nonfinite_steps, self.first_nonfinite]
+
+    def _updated_by_optimizer(self) -> list[torch.Tensor]:
+        tensors = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for per_param in self.optimizer.state.values():
+            tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+        return tensors
 
     def _step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
@@ -131,10 +154,25 @@ class TrainStep:
             grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
         lr = self.optimizer.param_groups[0]["lr"]
         lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else torch.tensor(lr)  # this step's, not the next
+        finite = torch.isfinite(loss.detach()) & torch.isfinite(grad_norm.detach())
+        updated = self._updated_by_optimizer()
+        with torch.no_grad():
+            before = [t.detach().clone() for t in updated]
         self.optimizer.step()
+        with torch.no_grad():
+            for tensor, old in zip(updated, before):
+                tensor.copy_(torch.where(finite, tensor, old))  # a non-finite step changes nothing
+            self.steps_done.add_(1)
+            self.first_nonfinite.copy_(
+                torch.where((self.first_nonfinite < 0) & ~finite, self.steps_done, self.first_nonfinite)
+            )
+            self.nonfinite_steps.add_((~finite).float())
         if self.schedule is not None:
             self.schedule.step()  # next step's learning rates, inside this graph
-        stats = {"loss": loss.detach(), "grad_norm": grad_norm.detach(), "lr": lr.to(loss.device)}
+        if self.ema is not None:
+            self.ema.update()
+        stats = {"loss": loss.detach(), "grad_norm": grad_norm.detach(), "lr": lr.to(loss.device),
+                 "nonfinite_steps": self.nonfinite_steps.clone(), "first_nonfinite_step": self.first_nonfinite.clone()}
         stats.update({k: v.detach() for k, v in loss_dict.items() if k in ("loss_ce", "loss_bbox", "loss_giou")})
         unconverged = getattr(matcher, "unconverged", None)
         if unconverged is not None:

@@ -239,7 +239,7 @@ def test_prefetch_overlaps_loading_with_compute():
 
 
 def test_stopping_early_stops_the_thread():
-    def forever(loader):  # as spmd_rfdetr.data.forever (the training loop's batch source)
+    def forever(loader):  # an endless batch source, as fit's train loader is
         while True:
             yield from loader
 

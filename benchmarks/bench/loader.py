@@ -1,8 +1,8 @@
 """``--loader``: the input pipeline alone, no training and no XLA runtime.
 
 rfdetr's own training dataset and transforms for the config (``spmd_rfdetr.data.build_split(cfgs, "train")``),
-batched by the training loader ``fit`` uses (``make_loader``: shuffled, ``StaticCollate`` to fixed shapes, persistent
-workers) at the config's resolution and global batch. For each DataLoader worker count it reads warm-up batches (one
+batched by the training loader ``fit`` uses (``make_train_loader``: seeded shuffles, ``StaticCollate`` to fixed shapes,
+endless) at the config's resolution and global batch. For each DataLoader worker count it reads warm-up batches (one
 per worker, at least one: worker start-up is not measured), then times ``--loader-batches`` batches back to back and
 reports images/s and images/s per worker. For 0 workers the main process is the one worker and loads with one torch
 thread, as every DataLoader worker does (torch's intra-op threads on a busy host slow rfdetr's transforms many times
@@ -47,12 +47,12 @@ def measure_workers(dataset: Any, data: Any, resolution: int, workers: int, batc
 
 
 def _measure(dataset: Any, data: Any, resolution: int, workers: int, batches: int, seed: int) -> dict[str, Any]:
-    from spmd_rfdetr.data import forever, make_loader
+    from spmd_rfdetr.data import make_train_loader
 
-    loader = make_loader(dataset, dataclasses.replace(data, num_workers=workers), resolution, train=True, seed=seed)
+    loader = make_train_loader(dataset, dataclasses.replace(data, num_workers=workers), resolution, seed=seed)
     expected = (data.global_batch_size, 3, resolution, resolution)
     warmup = max(1, workers)
-    batch_iter = forever(loader)
+    batch_iter = iter(loader)  # endless
     t0 = time.perf_counter()
     for _ in range(warmup):
         batch = next(batch_iter)

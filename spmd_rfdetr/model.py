@@ -7,6 +7,7 @@ from :mod:`spmd_rfdetr.loss`), the parameter groups its ``get_param_dict`` and t
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 from rfdetr import config as rfdetr_config
 from rfdetr._namespace import _namespace_from_configs  # rfdetr's own config -> builder-namespace bridge
+from rfdetr.assets.model_weights import ModelWeights
 from rfdetr.models.criterion import SetCriterion
 from rfdetr.models.lwdetr import LWDETR, build_criterion_from_config, build_model_from_config
 from rfdetr.models.postprocess import PostProcess
@@ -76,9 +78,23 @@ def upstream_configs(model: ModelOptions, data: DataOptions, optim: OptimOptions
 
 
 def build_model(cfgs: UpstreamConfigs) -> LWDETR:
-    """rfdetr's LWDETR, from scratch or from ``pretrain_weights`` (a local file: nothing is downloaded)."""
+    """rfdetr's LWDETR, from scratch or from ``pretrain_weights`` through rfdetr's own ``load_pretrain_weights``.
+
+    That loader aligns the checkpoint to the configured model: a class head of another size is resized to the
+    configured class count (rows truncated, or tiled when the checkpoint has fewer), query embeddings are sliced per
+    group, position embeddings interpolated. A published name (``rf-detr-nano.pth`` ...) not on disk is downloaded by
+    rfdetr into its cache (``$RF_HOME``, default ``~/.roboflow/models``).
+    """
     net = build_model_from_config(cfgs.model, cfgs.train)
     if cfgs.model.pretrain_weights is not None:
+        path = str(cfgs.model.pretrain_weights)
+        if not os.path.isfile(path):
+            if ModelWeights.from_filename(os.path.basename(path)) is None:
+                raise FileNotFoundError(
+                    f"model.pretrain_weights {path}: no such file, and not one of rfdetr's published weights "
+                    f"({', '.join(ModelWeights.list_models())})"
+                )
+            os.makedirs(os.path.dirname(path), exist_ok=True)  # rfdetr's cache dir; its loader downloads into it
         load_pretrain_weights(net, cfgs.model)
     return net
 

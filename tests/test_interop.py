@@ -1,0 +1,169 @@
+"""Our weights outside this project: upstream rfdetr loads and predicts with them, rfdetr's exporter exports them, and
+rfdetr-format checkpoints load here (``validate``/``predict``, ``--model.pretrain_weights``).
+
+The session's ``fit`` (``conftest.fit_run``) writes the weights; nothing here trains another model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from spmd_rfdetr.config import DataOptions, MeshOptions, ModelOptions, RunConfig
+from spmd_rfdetr.weights import inference_config, read_weights
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(resolution=128, num_queries=30, group_detr=2, dec_layers=2)
+
+#: Upstream rfdetr alone (no spmd_rfdetr, no torch_xla): the user's own code for a fit checkpoint.
+UPSTREAM_PREDICT = """
+import json, sys, torch
+from rfdetr import RFDETRNano
+checkpoint, images = sys.argv[1], sys.argv[2:]
+m = torch.load(checkpoint, map_location="cpu", weights_only=True)["config"]["model"]
+model = RFDETRNano(pretrain_weights=checkpoint, num_classes=m["num_classes"], resolution=m["resolution"],
+                   num_queries=m["num_queries"], num_select=m["num_queries"], group_detr=m["group_detr"],
+                   dec_layers=m["dec_layers"])
+assert "torch_xla" not in sys.modules, "upstream ran with torch_xla imported"
+out = []
+for path in images:
+    d = model.predict(path, threshold=0.0)
+    out.append({"xyxy": d.xyxy.tolist(), "score": d.confidence.tolist(), "label": d.class_id.tolist()})
+print(json.dumps(out))
+"""
+
+
+def without_xla() -> dict[str, str]:
+    """A child environment where nothing imports torch_xla (accelerate, under transformers, would: USE_TORCH_XLA)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS")}
+    return {**env, "USE_TORCH_XLA": "0"}
+
+
+@pytest.mark.slow
+def test_upstream_rfdetr_predicts_what_our_predict_does(fit_run, synth_dir, tmp_path):
+    from spmd_rfdetr.cli import main
+    from spmd_rfdetr.coco import label2cat_for
+
+    checkpoint = fit_run / "last.pth"
+    folder = tmp_path / "images"  # model-resolution PNGs: both sides' resizes are the identity, pixels are exact
+    folder.mkdir()
+    for name in sorted(p.name for p in (Path(synth_dir) / "valid").glob("*.jpg"))[:4]:
+        Image.open(Path(synth_dir) / "valid" / name).convert("RGB").resize((128, 128)).save(folder / f"{name}.png")
+    images = sorted(str(p) for p in folder.iterdir())
+
+    main(["predict", "--checkpoint", str(checkpoint), "--images", str(folder), "--output", str(tmp_path / "p.json")])
+    ours = json.loads((tmp_path / "p.json").read_text())
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)["config"]
+    cat2label = {c: label for label, c in (label2cat_for(saved["data"]["dataset_dir"]) or {}).items()}
+
+    child = subprocess.run([sys.executable, "-c", UPSTREAM_PREDICT, str(checkpoint), *images], cwd=tmp_path,
+                           env=without_xla(), capture_output=True, text=True, timeout=900)
+    assert child.returncode == 0, child.stderr[-3000:]
+    theirs = json.loads(child.stdout.strip().splitlines()[-1])
+    for image_id, upstream in enumerate(theirs):  # ids of a folder without annotations: the sorted file order
+        rows = sorted((d for d in ours if d["image_id"] == image_id), key=lambda d: -d["score"])
+        order = np.argsort(-np.asarray(upstream["score"]), kind="stable")
+        assert len(rows) == len(order) == saved["model"]["num_queries"], (len(rows), len(order))
+        ours_xyxy = np.asarray([[x, y, x + w, y + h] for x, y, w, h in (d["bbox"] for d in rows)])
+        np.testing.assert_allclose([d["score"] for d in rows], np.asarray(upstream["score"])[order], atol=1e-4)
+        np.testing.assert_allclose(ours_xyxy / 128, np.asarray(upstream["xyxy"])[order] / 128, atol=1e-4)
+        assert [cat2label[d["category_id"]] for d in rows] == np.asarray(upstream["label"])[order].tolist()
+    assert max(d["score"] for d in ours) > 0.3  # a trained model, not a blank one
+
+
+@pytest.mark.slow
+def test_export_onnx_runs_like_the_eager_model(fit_run, tmp_path):
+    pytest.importorskip("onnxruntime", reason="ONNX export needs rfdetr's onnx extra: pip install -e '.[export]'")
+    import onnxruntime
+
+    from spmd_rfdetr.cli import main
+    from spmd_rfdetr.model import build_model, upstream_configs
+    from spmd_rfdetr.step import as_samples
+
+    checkpoint = fit_run / "last.pth"
+    main(["export", "--checkpoint", str(checkpoint), "--output", str(tmp_path / "tiny.onnx")])
+    session = onnxruntime.InferenceSession(str(tmp_path / "tiny.onnx"), providers=["CPUExecutionProvider"])
+    image = torch.rand(1, 3, 128, 128, generator=torch.Generator().manual_seed(0))
+    normalized = (image - torch.tensor([0.485, 0.456, 0.406])[:, None, None]) / torch.tensor([0.229, 0.224, 0.225])[
+        :, None, None]
+    outputs = dict(zip([o.name for o in session.get_outputs()],
+                       session.run(None, {session.get_inputs()[0].name: normalized.numpy()})))
+
+    saved = read_weights(checkpoint)
+    cfg = inference_config(RunConfig(), saved)
+    net = build_model(upstream_configs(cfg.model, cfg.data, cfg.optim, cfg.model.num_classes))
+    net.load_state_dict(saved.state_dict)
+    with torch.no_grad():
+        eager = net.eval()(as_samples(normalized))
+    np.testing.assert_allclose(outputs["dets"], eager["pred_boxes"].numpy(), atol=1e-4)
+    np.testing.assert_allclose(outputs["labels"], eager["pred_logits"].numpy(), atol=1e-3)
+
+
+def test_export_without_the_extra_names_it_and_exits_2(tmp_path):
+    """A real missing dependency: rfdetr's OpenVINO extra is not a dependency of this project."""
+    if importlib.util.find_spec("openvino") is not None:
+        pytest.skip("openvino is installed here")
+    child = subprocess.run([sys.executable, "-m", "spmd_rfdetr", "export", "--checkpoint", str(tmp_path / "x.pth"),
+                            "--format", "openvino"], cwd=ROOT, env=without_xla(), capture_output=True, text=True,
+                           timeout=600)
+    assert child.returncode == 2, child.stderr[-3000:]
+    assert 'pip install "rfdetr[openvino]==' in child.stderr and "Traceback" not in child.stderr, child.stderr
+
+
+@pytest.fixture(scope="module")
+def rfdetr_checkpoint(tmp_path_factory) -> Path:
+    """An upstream-format checkpoint of the tiny architecture with 5 classes (``{"model", "args", "model_config"}``)."""
+    from spmd_rfdetr.model import build_model, upstream_configs
+
+    cfgs = upstream_configs(ModelOptions(**TINY), DataOptions(), RunConfig().optim, num_classes=5)
+    torch.manual_seed(1)
+    net = build_model(cfgs)
+    path = tmp_path_factory.mktemp("rfdetr") / "checkpoint_best_ema.pth"
+    args = {"num_classes": 5, "num_queries": 30, "group_detr": 2, "class_names": list("abcde")}
+    torch.save({"model": net.state_dict(), "args": args, "model_name": "RFDETRNano",
+                "model_config": {"resolution": 128, "num_queries": 30, "group_detr": 2, "dec_layers": 2}}, path)
+    return path
+
+
+def test_pretrain_weights_resize_the_class_head_with_rfdetrs_loader(rfdetr_checkpoint):
+    from spmd_rfdetr.model import build_model, upstream_configs
+
+    saved = torch.load(rfdetr_checkpoint, map_location="cpu", weights_only=True)["model"]
+    options = ModelOptions(**TINY, pretrain_weights=str(rfdetr_checkpoint))
+    net = build_model(upstream_configs(options, DataOptions(), RunConfig().optim, num_classes=3))
+    assert net.class_embed.out_features == 4  # 3 classes + rfdetr's extra logit, down from the checkpoint's 6
+    torch.testing.assert_close(net.class_embed.weight, saved["class_embed.weight"][:4], rtol=0, atol=0)
+    backbone = "backbone.0.encoder.encoder.embeddings.patch_embeddings.projection.weight"
+    torch.testing.assert_close(net.state_dict()[backbone], saved[backbone], rtol=0, atol=0)
+    with pytest.raises(FileNotFoundError, match="not one of rfdetr's published weights"):
+        build_model(upstream_configs(ModelOptions(**TINY, pretrain_weights="/nonexistent/x.pth"), DataOptions(),
+                                     RunConfig().optim, num_classes=3))
+
+
+def test_inference_config_takes_the_architecture_from_the_checkpoint(rfdetr_checkpoint, tmp_path):
+    from spmd_rfdetr.config import TrainerOptions
+
+    trained = RunConfig(model=ModelOptions(variant="small", num_classes=7, **TINY),
+                        data=DataOptions(dataset_dir="/train/data", global_batch_size=16),
+                        mesh=MeshOptions(data=8), trainer=TrainerOptions(precision="fp32"))
+    fit_file = tmp_path / "best.pth"
+    torch.save({"model": {}, "config": dataclasses.asdict(trained), "step": 3}, fit_file)
+    given = RunConfig(model=ModelOptions(resolution=640), data=DataOptions(global_batch_size=4))
+    cfg = inference_config(given, read_weights(fit_file))
+    assert dataclasses.asdict(cfg.model) == {**dataclasses.asdict(trained.model), "pretrain_weights": None}
+    assert (cfg.data.dataset_dir, cfg.data.global_batch_size) == ("/train/data", 4)  # an option given here wins
+    assert (cfg.trainer.precision, cfg.mesh.data) == ("fp32", -1)  # the mesh is this machine's
+
+    cfg = inference_config(RunConfig(), read_weights(rfdetr_checkpoint))
+    assert (cfg.model.variant, cfg.model.num_classes, cfg.model.pretrain_weights) == ("nano", 5, str(rfdetr_checkpoint))
+    assert {k: getattr(cfg.model, k) for k in TINY} == TINY

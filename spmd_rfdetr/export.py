@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from spmd_rfdetr.config import ModelOptions, RunConfig
-from spmd_rfdetr.weights import RFDETR_CLASSES, SavedWeights, inference_config, read_weights
+from spmd_rfdetr.weights import RFDETR_CLASSES, SavedWeights, inference_config, read_weights, rfdetr_entries
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def upstream_model(cfg: RunConfig, saved: SavedWeights) -> Any:
     from spmd_rfdetr.model import upstream_configs
 
     mc = upstream_configs(cfg.model, cfg.data, cfg.optim, cfg.model.num_classes or 0).model
-    kwargs = {k: getattr(mc, k) for k in mc.model_fields_set if k not in ("pretrain_weights", "device")}
+    kwargs = rfdetr_entries(mc, cfg.model.variant, None)["model_config"]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*pretrain_weights=None.*")
         if saved.kind == "rfdetr":  # rfdetr loads its own format (query slicing, head alignment)

@@ -49,6 +49,17 @@ class SavedWeights:
         return int(bias.shape[0]) - 1 if bias is not None else None
 
 
+def rfdetr_entries(model_config: Any, variant: str, class_names: list[str] | None) -> dict[str, Any]:
+    """The entries of rfdetr's own checkpoints, for a weight file of rfdetr's ``model_config`` (a pydantic
+    ``ModelConfig``): with them ``RFDETR.from_checkpoint`` rebuilds the architecture and reads the class names, and
+    ``load_pretrain_weights`` slices the query embeddings per group. Plain values only (``weights_only`` loads)."""
+    recorded = {k: getattr(model_config, k) for k in sorted(model_config.model_fields_set)
+                if k not in ("pretrain_weights", "device")}
+    args = {"class_names": list(class_names) if class_names else None,
+            **{k: getattr(model_config, k) for k in ("num_classes", "num_queries", "group_detr", "resolution")}}
+    return {"model_name": RFDETR_CLASSES[variant], "model_config": recorded, "args": args}
+
+
 def read_weights(path: str | Path) -> SavedWeights:
     """Load a weight file on the CPU (rfdetr's safe loader: tensors and plain values only) and say what it is."""
     from rfdetr.utilities.io import _safe_torch_load

@@ -167,3 +167,33 @@ def test_inference_config_takes_the_architecture_from_the_checkpoint(rfdetr_chec
     cfg = inference_config(RunConfig(), read_weights(rfdetr_checkpoint))
     assert (cfg.model.variant, cfg.model.num_classes, cfg.model.pretrain_weights) == ("nano", 5, str(rfdetr_checkpoint))
     assert {k: getattr(cfg.model, k) for k in TINY} == TINY
+
+
+#: rfdetr's own loader for its own checkpoints: architecture, weights and class names from the file alone.
+UPSTREAM_FROM_CHECKPOINT = """
+import json, sys, torch
+from rfdetr import RFDETR
+model = RFDETR.from_checkpoint(sys.argv[1])
+assert "torch_xla" not in sys.modules
+mc, weights = model.model_config, torch.load(sys.argv[1], map_location="cpu", weights_only=True)["model"]
+same = all(torch.equal(v, weights[k]) for k, v in model.model.model.state_dict().items())
+print(json.dumps({"class": type(model).__name__, "class_names": model.class_names, "same_weights": same,
+                  "arch": [mc.resolution, mc.num_queries, mc.group_detr, mc.dec_layers, mc.num_classes]}))
+"""
+
+
+def test_rfdetr_from_checkpoint_reads_a_weight_file_with_rfdetr_entries(tmp_path):
+    from spmd_rfdetr.model import build_model, upstream_configs
+    from spmd_rfdetr.weights import rfdetr_entries
+
+    cfg = RunConfig(model=ModelOptions(**TINY, num_classes=3))
+    cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, 3)
+    names = ["rectangle", "ellipse", "triangle"]
+    path = tmp_path / "best.pth"  # a fit weight file (random weights) plus the entries rfdetr's checkpoints carry
+    torch.save({"model": build_model(cfgs).state_dict(), "config": dataclasses.asdict(cfg), "step": 1,
+                "class_names": names, **rfdetr_entries(cfgs.model, "nano", names)}, path)
+    child = subprocess.run([sys.executable, "-c", UPSTREAM_FROM_CHECKPOINT, str(path)], cwd=tmp_path,
+                           env=without_xla(), capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    loaded = json.loads(child.stdout.strip().splitlines()[-1])
+    assert loaded == {"class": "RFDETRNano", "class_names": names, "same_weights": True, "arch": [128, 30, 2, 2, 3]}

@@ -42,6 +42,8 @@ def load_for_inference(cfg: RunConfig, checkpoint: str) -> tuple[RunConfig, Any,
 
     saved = read_weights(checkpoint)
     cfg = inference_config(cfg, saved)
+    if cfg.model.num_queries is not None:  # max_targets only shapes training batches: its query-count check is moot
+        cfg.data.max_targets = min(cfg.data.max_targets, cfg.model.num_queries)
     setup_runtime(cfg.mesh)
     import torch_xla.runtime as xr
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 
-from spmd_rfdetr.config import ModelOptions, RunConfig
+from spmd_rfdetr.config import DataOptions, ModelOptions, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,8 @@ def inference_config(cfg: RunConfig, saved: SavedWeights) -> RunConfig:
     A ``fit`` file's config is the base: its architecture (:data:`ARCHITECTURE`) always wins (other values cannot load
     these weights; a differing value given on the command line is named in a warning), and for the other sections a
     value on the command line that differs from the option's default wins (so ``--data.dataset_dir`` or
-    ``--eval.split`` point a checkpoint elsewhere); ``mesh`` is always the command line's. An rfdetr checkpoint gives
+    ``--eval.split`` point a checkpoint elsewhere; a value given at its default cannot be told from an absent one, so
+    the checkpoint's stands); ``mesh`` is always the command line's. An rfdetr checkpoint gives
     the class count and, where it records them, the variant, resolution, query and decoder sizes the command line left
     unset; its weights load through rfdetr's ``load_pretrain_weights`` (``model.pretrain_weights``).
     """
@@ -102,6 +103,8 @@ def inference_config(cfg: RunConfig, saved: SavedWeights) -> RunConfig:
             if section.name in MACHINE_SECTIONS or not isinstance(saved.config.get(section.name), dict):
                 continue
             _merge_section(getattr(out, section.name), saved.config[section.name], section.name)
+        if cfg.data.global_batch_size != DataOptions.global_batch_size and cfg.data.per_device_batch_size is None:
+            out.data.per_device_batch_size = None  # a saved per-device size would replace the global one given here
         out.model.pretrain_weights = None  # the weights come from the checkpoint, never from the run's start point
     elif saved.kind == "rfdetr":
         _from_rfdetr_checkpoint(out.model, saved)

@@ -154,7 +154,7 @@ def test_inference_config_takes_the_architecture_from_the_checkpoint(rfdetr_chec
     from spmd_rfdetr.config import TrainerOptions
 
     trained = RunConfig(model=ModelOptions(variant="small", num_classes=7, **TINY),
-                        data=DataOptions(dataset_dir="/train/data", global_batch_size=16),
+                        data=DataOptions(dataset_dir="/train/data", global_batch_size=16, per_device_batch_size=2),
                         mesh=MeshOptions(data=8), trainer=TrainerOptions(precision="fp32"))
     fit_file = tmp_path / "best.pth"
     torch.save({"model": {}, "config": dataclasses.asdict(trained), "step": 3}, fit_file)
@@ -162,6 +162,7 @@ def test_inference_config_takes_the_architecture_from_the_checkpoint(rfdetr_chec
     cfg = inference_config(given, read_weights(fit_file))
     assert dataclasses.asdict(cfg.model) == {**dataclasses.asdict(trained.model), "pretrain_weights": None}
     assert (cfg.data.dataset_dir, cfg.data.global_batch_size) == ("/train/data", 4)  # an option given here wins
+    assert cfg.data.per_device_batch_size is None  # the saved per-device size would have replaced it
     assert (cfg.trainer.precision, cfg.mesh.data) == ("fp32", -1)  # the mesh is this machine's
 
     cfg = inference_config(RunConfig(), read_weights(rfdetr_checkpoint))

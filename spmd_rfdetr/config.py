@@ -82,7 +82,8 @@ class DataOptions:
 
 @dataclass
 class OptimOptions:
-    """AdamW with rfdetr's parameter groups, gradient clipping, warmup and a cosine or step schedule."""
+    """AdamW with rfdetr's parameter groups, gradient clipping, warmup and a cosine, step or constant schedule (rfdetr's
+    formulas after warm-up; the warm-up and the defaults differ from rfdetr's, as each field says)."""
 
     lr: float = 1e-4
     """Learning rate of the decoder/heads."""
@@ -97,13 +98,17 @@ class OptimOptions:
     clip_max_norm: float = 0.1
     """Gradient clipping by global L2 norm; 0 disables."""
     warmup_steps: int = 0
-    """Linear warmup steps."""
+    """Linear warmup steps: step ``s`` (from 0) of ``w`` uses ``(s + 1) / (w + 1)`` of the LR, never 0. rfdetr's is
+    ``s / w`` (its first step has LR 0 and does not move the weights); both reach the full LR at step ``w``."""
     schedule: Literal["cosine", "step", "constant"] = "cosine"
-    """LR schedule after warmup."""
+    """LR schedule after warmup: ``cosine`` (to ``min_lr_factor`` at ``trainer.max_steps``) and ``step`` (see
+    ``lr_drop_step``) use rfdetr's formulas; ``constant`` keeps the peak (rfdetr has no such preset: its ``step``
+    before the drop). rfdetr's default is ``step``, with the drop after 100 epochs."""
     min_lr_factor: float = 0.05
-    """Cosine: final LR as a fraction of the peak."""
+    """Cosine: final LR as a fraction of the peak. rfdetr's default ``min_factor`` is 0.0 (decay to zero)."""
     lr_drop_step: int = 0
-    """Step schedule: the LR drops 10x at this step (0 = never)."""
+    """Step schedule: the LR drops 10x at this optimizer step (0 = never). rfdetr counts its ``lr_drop`` in epochs:
+    the same drop is ``lr_drop_step = lr_drop x steps per epoch``."""
 
 
 @dataclass
@@ -264,7 +269,9 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
     """
     problems: list[str] = []
     d, t, o = cfg.data, cfg.trainer, cfg.optim
-    if device_count is not None and d.per_device_batch_size is not None and data_axis(cfg, device_count) > 0:
+    if d.per_device_batch_size is not None and d.per_device_batch_size < 1:
+        problems.append(f"data.per_device_batch_size={d.per_device_batch_size} must be >= 1")
+    elif device_count is not None and d.per_device_batch_size is not None and data_axis(cfg, device_count) > 0:
         d.global_batch_size = d.per_device_batch_size * data_axis(cfg, device_count)
     if d.global_batch_size < 1:
         problems.append(f"data.global_batch_size={d.global_batch_size} must be >= 1")

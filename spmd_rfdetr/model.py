@@ -1,7 +1,8 @@
 """Build upstream rfdetr's model, criterion and optimizer from our config; the one place that adapts rfdetr to XLA.
 
 Nothing here copies rfdetr: the model is ``rfdetr``'s LWDETR, the loss its SetCriterion (with our static-shape matcher
-from :mod:`spmd_rfdetr.loss`), the parameter groups its ``get_param_dict`` and the schedule its warmup + cosine/step.
+from :mod:`spmd_rfdetr.loss`), the parameter groups its ``get_param_dict``; the schedule uses rfdetr's cosine/step
+formulas after a warm-up of its own (:func:`lr_factor` says where it differs).
 """
 
 from __future__ import annotations
@@ -114,7 +115,15 @@ def build_optimizer(net: torch.nn.Module, cfgs: UpstreamConfigs, *, on_device: b
 
 
 def lr_factor(step: int, optim: OptimOptions, max_steps: int) -> float:
-    """rfdetr's managed schedule: linear warmup, then cosine to ``min_lr_factor`` or a 10x step drop."""
+    """The LR factor of optimizer step ``step`` (from 0): linear warm-up, then cosine to ``min_lr_factor``, a 10x drop
+    at ``lr_drop_step``, or constant.
+
+    After warm-up these are the formulas of rfdetr's managed ``LambdaLR``
+    (``rfdetr.training.module_model._build_managed_scheduler``). Where it differs from rfdetr (tests/test_schedule.py):
+    the warm-up is ``(step + 1) / (warmup + 1)`` (rfdetr: ``step / warmup``, 0 at the first step), the drop step is
+    counted in steps (rfdetr: ``lr_drop`` epochs), ``constant`` is ours, and the defaults (:class:`OptimOptions`:
+    cosine to 0.05; rfdetr: ``step``, cosine to 0.0).
+    """
     if step < optim.warmup_steps:
         return (step + 1) / (optim.warmup_steps + 1)  # never exactly 0, unlike upstream's first warmup step
     if optim.schedule == "cosine":

@@ -1,0 +1,92 @@
+"""Every message of :func:`spmd_rfdetr.config.resolve_and_check`, one bad field at a time (no XLA, no data read).
+
+tests/test_checks.py covers the resolution rule per variant, ``max_targets`` vs queries, ``multi_scale``, ``mesh.data``
+of 0 or more than the devices, and the bf16-on-CPU warning; tests/test_cli.py the batch vs data axis message through
+the CLI. The rest is here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from spmd_rfdetr import config, openxla_fix
+from spmd_rfdetr.config import ConfigError, DataOptions, RunConfig, resolve_and_check
+
+
+def edited(**sections: dict[str, object]) -> Callable[[], RunConfig]:
+    def make() -> RunConfig:
+        cfg = RunConfig(data=DataOptions(global_batch_size=8))
+        cfg.trainer.precision = "fp32"
+        for section, values in sections.items():
+            for key, value in values.items():
+                setattr(getattr(cfg, section), key, value)
+        return cfg
+
+    return make
+
+
+CASES = {
+    "batch": (edited(data={"global_batch_size": 0}), None, "data.global_batch_size=0 must be >= 1"),
+    "per_device": (edited(data={"per_device_batch_size": 0}), 4, "data.per_device_batch_size=0 must be >= 1"),
+    "max_targets": (edited(data={"max_targets": 0}), None, "data.max_targets=0 must be >= 1"),
+    "max_steps": (edited(trainer={"max_steps": 0}), None, "trainer.max_steps=0 must be >= 1"),
+    "log_every": (edited(trainer={"log_every": 0}), None, "trainer.log_every=0 must be >= 1"),
+    "warmup": (edited(optim={"warmup_steps": -1}), None, "optim.warmup_steps=-1 must be >= 0"),
+    "queries": (edited(model={"num_queries": 0}), None, "model.num_queries=0 must be >= 1"),
+    "group_detr": (edited(model={"group_detr": 0}), None, "model.group_detr=0 must be >= 1"),
+    "dec_layers": (edited(model={"dec_layers": -2}), None, "model.dec_layers=-2 must be >= 1"),
+    "num_classes": (edited(model={"num_classes": 0}), None, "model.num_classes=0 must be >= 1"),
+    "cpu_devices": (edited(mesh={"cpu_devices": 0}), None, "mesh.cpu_devices=0 must be >= 1"),
+    "mesh_divides": (edited(mesh={"data": 3}), 4, "mesh.data=3 must divide the 4 devices (or be -1 for all)"),
+    "batch_axis": (edited(data={"global_batch_size": 6}), 4,
+                   "data.global_batch_size=6 does not divide by the data axis (4 devices): use a multiple of 4, "
+                   "e.g. 8"),
+    "openxla_matcher": (edited(trainer={"compile_backend": "openxla", "matcher": "scipy"}), None,
+                        "trainer.compile_backend=openxla needs trainer.matcher=device"),
+    "eval_every": (edited(eval={"every_steps": -1}), None,
+                   "eval.every_steps=-1 must be >= 0 (0 = no evaluation inside fit)"),
+    "num_select": (edited(eval={"num_select": 0}), None, "eval.num_select=0 must be >= 1"),
+    "eval_batch": (edited(eval={"global_batch_size": 0}), None, "eval.global_batch_size=0 must be >= 1"),
+    "eval_batch_axis": (edited(eval={"global_batch_size": 10}), 4,
+                        "eval.global_batch_size=10 does not divide by the data axis (4 devices)"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_config_error_is_named(case: str) -> None:
+    make, device_count, message = CASES[case]
+    with pytest.raises(ConfigError) as error:
+        resolve_and_check(make(), device_count)
+    text = str(error.value)
+    assert text.startswith("invalid configuration:\n  - ") and message in text, text
+    assert text.count("\n  - ") == 1, text  # one bad field, one problem: no knock-on messages
+
+
+def test_valid_configs_pass() -> None:
+    for device_count in (None, 1, 4, 8):
+        resolve_and_check(edited()(), device_count)
+    resolve_and_check(edited(mesh={"data": 2}, eval={"global_batch_size": 6})(), 4)  # 8 and 6 divide by 2
+
+
+def test_openxla_is_refused_where_the_fix_is_not_verified(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = edited(trainer={"compile_backend": "openxla"})
+    resolve_and_check(cfg())  # torch_xla 2.9.0: verified
+    monkeypatch.setattr(openxla_fix, "fix_available", lambda: False)
+    with pytest.raises(ConfigError) as error:
+        resolve_and_check(cfg())
+    assert config.OPENXLA_TRAINING_REFUSED.format(verified="2.9.0") in str(error.value)
+
+
+@pytest.mark.parametrize(("mesh_data", "devices", "expected"), [(-1, 4, 8), (-1, 8, 16), (2, 4, 4), (1, 1, 2)])
+def test_per_device_batch_size_sets_the_global_batch(mesh_data: int, devices: int, expected: int) -> None:
+    """``data.per_device_batch_size`` x the data axis replaces ``global_batch_size`` (so it always divides); without a
+    device count (``check-data``, ``--print_config``) nothing is resolved. End to end: the 8-device ``fit`` of
+    tests/test_cli.py runs with ``per_device_batch_size 1``."""
+    cfg = edited(data={"global_batch_size": 6, "per_device_batch_size": 2}, mesh={"data": mesh_data})()
+    resolve_and_check(cfg, devices)
+    assert cfg.data.global_batch_size == expected
+    cfg = edited(data={"global_batch_size": 6, "per_device_batch_size": 2})()
+    resolve_and_check(cfg)
+    assert cfg.data.global_batch_size == 6

@@ -25,6 +25,7 @@ def xla_counters() -> dict[str, int]:
     return {
         "xla_compiles": samples("CompileTime"),
         "xla_cache_loads": met.counter_value("PersistentCacheHit") or 0,  # graphs read from the persistent cache
+        "xla_cache_misses": met.counter_value("PersistentCacheMiss") or 0,  # ... and not found there (compiled)
         "xla_executions": samples("ExecuteReplicatedTime") + samples("ExecuteTime"),
         "xla_transfers_to_host": samples("TransferFromDeviceTime"),
         "xla_aten_fallbacks": sum(met.counter_value(name) or 0 for name in met.counter_names() if name.startswith("aten::")),

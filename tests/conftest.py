@@ -86,6 +86,7 @@ class MeshTrainer:
     step: Any
     to_device: Any
     backbone_mask_dtypes: list[torch.dtype]
+    ema: Any
 
 
 @pytest.fixture(scope="session")
@@ -98,9 +99,11 @@ def mesh_trainer(tiny: Tiny) -> MeshTrainer:
     net = tiny.model()
     mask_dtypes: list[torch.dtype] = []
     net.backbone.register_forward_pre_hook(lambda _m, args: mask_dtypes.append(args[0].mask.dtype))
-    trainer = build_trainer(fabric, tiny.cfgs, tiny.cfg.optim, tiny.cfg.trainer, model=net)  # as `fit` builds it
+    # as `fit` builds it, EMA on (it never changes the weights the tests compare with upstream)
+    trainer = build_trainer(fabric, tiny.cfgs, tiny.cfg.optim, tiny.cfg.trainer, model=net, ema=tiny.cfg.model)
     loader = fabric.strategy.process_dataloader(torch.utils.data.DataLoader(tiny.batches, batch_size=None))
-    return MeshTrainer(fabric, trainer.model, trainer.optimizer, trainer.step, loader.to_device, mask_dtypes)
+    return MeshTrainer(fabric, trainer.model, trainer.optimizer, trainer.step, loader.to_device, mask_dtypes,
+                       trainer.ema)
 
 
 def fit_config(tiny: Tiny, synth_dir: str, base: Any, step_mode: str) -> RunConfig:
@@ -118,6 +121,7 @@ def fit_config(tiny: Tiny, synth_dir: str, base: Any, step_mode: str) -> RunConf
     cfg.trainer.output_dir = str(base / f"out-{step_mode}")
     cfg.trainer.max_steps, cfg.trainer.log_every, cfg.trainer.progress_bar = FIT_STEPS, 1, False
     cfg.trainer.step_mode = step_mode
+    cfg.trainer.loggers = ["tensorboard", "csv"]
     cfg.eval.every_steps = EVAL_EVERY
     return cfg
 

@@ -56,6 +56,25 @@ def test_3_to_7_two_nano_steps_finite_no_fallbacks(tmp_path: Path) -> None:
     assert "grid_sampler" not in result.stderr
 
 
+def test_8_a_second_fit_loads_every_graph_from_the_persistent_cache(tmp_path: Path) -> None:
+    """Issue 10: two `fit` runs with the same config and compile cache; the second compiles nothing from scratch."""
+    data = tmp_path / "synth"
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "spmd_rfdetr", *a], cwd=ROOT, env=env, text=True,
+                                    capture_output=True, timeout=1800)
+    assert run("synth", "--output_dir", str(data), "--image_size", "384").returncode == 0
+    last = []
+    for attempt in ("first", "second"):
+        out = tmp_path / attempt
+        result = run("fit", "--config", "configs/v5e.yaml", "--data.dataset_dir", str(data), "--trainer.max_steps",
+                     "3", "--trainer.log_every", "1", "--trainer.output_dir", str(out), "--eval.every_steps", "0",
+                     "--trainer.compile_cache_dir", str(tmp_path / "cache"))
+        assert result.returncode == 0, result.stderr[-3000:]
+        last.append(json.loads((out / "metrics.jsonl").read_text().splitlines()[-1]))
+    assert last[0]["xla_cache_misses"] >= 1 and last[1]["xla_cache_misses"] == 0, last
+    assert last[1]["xla_cache_loads"] >= 1, last
+
+
 def test_5_masks_stay_bool_inside_the_step(tiny, mesh_trainer) -> None:
     mesh_trainer.backbone_mask_dtypes.clear()
     mesh_trainer.step(mesh_trainer.to_device(tiny.batches[0]))

@@ -134,3 +134,54 @@ def test_a_stray_host_sync_in_the_step_fails_loudly(tiny, mesh_trainer):
                      clip_max_norm=0.1, full_graph=True)
     with pytest.raises(RuntimeError):
         step(mesh_trainer.to_device(tiny.batches[0]))
+
+
+def test_ema_in_the_step_equals_rfdetr_model_ema_on_the_same_weights(tiny, mesh_trainer):
+    """rfdetr's own ModelEma on the CPU, fed the weights our step produced after each step, from the EMA state the
+    session's trainer has now: the averages our compiled step kept agree to 1e-6, and updating them cost nothing."""
+    from rfdetr.training.model_ema import ModelEma
+
+    from spmd_rfdetr.build import unwrap
+
+    ema, model = mesh_trainer.ema, unwrap(mesh_trainer.model)
+    reference = ModelEma(tiny.model(), decay=ema.decay, tau=ema.tau)
+    reference.module.load_state_dict({k: v.cpu() for k, v in ema.state_dict().items()})
+    reference.updates = int(ema.updates.cpu())
+    live = tiny.model()
+    batches = [mesh_trainer.to_device(b) for b in tiny.batches[:3]]
+    for batch in batches:
+        before = xla_counters()
+        mesh_trainer.step(batch)
+        xm.wait_device_ops()
+        after = xla_counters()
+        assert after["xla_compiles"] == before["xla_compiles"], "the EMA update compiled something"
+        assert after["xla_transfers_to_host"] == before["xla_transfers_to_host"], "the EMA update read the host"
+        live.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+        reference.update(live)
+    ours = {k: v.cpu() for k, v in ema.state_dict().items()}
+    theirs = reference.module.state_dict()
+    worst = max((ours[k].float() - theirs[k].float()).abs().max().item() for k in theirs if theirs[k].numel())
+    moved = max((ours[k] - live.state_dict()[k]).abs().max().item() for k in theirs if theirs[k].is_floating_point())
+    assert worst <= 1e-6, worst
+    assert moved > 10 * 1e-6, moved  # the tolerance is far below how far the average is from the weights
+    assert int(ema.updates.cpu()) == reference.updates
+
+
+def test_a_nonfinite_step_changes_nothing_and_is_counted(tiny, mesh_trainer):
+    """A NaN batch: the step's loss is NaN, the weights and AdamW state stay as they were, the device counters name
+    the step; the next finite batch trains again."""
+    step = mesh_trainer.step
+    model, optimizer = mesh_trainer.model, mesh_trainer.optimizer
+    snapshot = lambda: [t.cpu().clone() for t in step._updated_by_optimizer()]  # noqa: E731
+    bad = dict(tiny.batches[0])
+    bad["images"] = torch.full_like(bad["images"], float("nan"))
+    counted = step.read(step(mesh_trainer.to_device(tiny.batches[1])))["nonfinite_steps"]
+    before = snapshot()
+    stats = step.read(step(mesh_trainer.to_device(bad)))
+    assert stats["loss"] != stats["loss"] and stats["nonfinite_steps"] == counted + 1
+    assert stats["first_nonfinite_step"] == float(step.steps_done.cpu())
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot())), "a NaN step changed the weights or AdamW state"
+    stats = step.read(step(mesh_trainer.to_device(tiny.batches[2])))
+    assert stats["loss"] == stats["loss"] and stats["nonfinite_steps"] == counted + 1
+    assert not all(torch.equal(a, b) for a, b in zip(before, snapshot()))
+    assert all(torch.isfinite(p).all() for p in model.parameters()) and optimizer is mesh_trainer.optimizer

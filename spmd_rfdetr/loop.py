@@ -40,6 +40,7 @@ def fit(cfg: RunConfig) -> Path:
     from spmd_rfdetr.mesh import build_mesh
     from spmd_rfdetr.metrics import MetricsLog, build_loggers
     from spmd_rfdetr.model import upstream_configs
+    from spmd_rfdetr.weights import rfdetr_entries
 
     t, d = cfg.trainer, cfg.data
     out = Path(t.output_dir)
@@ -70,7 +71,8 @@ def fit(cfg: RunConfig) -> Path:
     names = class_names(train_set, num_classes)
 
     def save_weights(path: Path, step: int) -> Path:
-        meta = {"config": resolved, "step": step, "class_names": names, "weights": weights}
+        meta = {"config": resolved, "step": step, "class_names": names, "weights": weights,
+                **rfdetr_entries(cfgs.model, cfg.model.variant, names)}  # rfdetr's RFDETR.from_checkpoint reads these
         if trainer.ema is not None:
             meta["ema"] = {"decay": trainer.ema.decay, "tau": trainer.ema.tau, "updates": step}
         return checkpoint.save_weights(path, trainer.inference_model, meta)

@@ -258,9 +258,17 @@ def test_round_budget_falls_back_to_a_valid_greedy_assignment() -> None:
 
 
 def test_no_gradient_flows() -> None:
+    """The solve is outside autograd: with a cost that requires grad, nothing is saved for a backward through the
+    solver's loop (it would be built and kept alive every step), and a loss gathered at the assignment gets its
+    gradient only on the chosen entries, as with upstream's SciPy indices."""
     cost = torch.rand(4, 10, 5, requires_grad=True)
-    query_of_target, converged = solve_assignment(cost, torch.ones(4, 5, dtype=torch.bool))
-    assert not query_of_target.requires_grad and converged.all()
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        query_of_target, converged = solve_assignment(cost, torch.ones(4, 5, dtype=torch.bool))
+    assert converged.all() and not saved, f"{len(saved)} tensors saved for backward inside the solver"
+    cost.gather(1, query_of_target[:, None, :]).sum().backward()
+    chosen = torch.zeros_like(cost).scatter_(1, query_of_target[:, None, :], 1.0)
+    assert torch.equal(cost.grad, chosen) and int(chosen.sum()) == 4 * 5  # one distinct query per target
 
 
 @pytest.mark.slow

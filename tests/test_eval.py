@@ -187,7 +187,8 @@ def test_fit_evaluates_every_n_steps_and_keeps_best(fit_run):
     assert evals[1]["xla_compiles"] - evals[0]["xla_compiles"] == 5, evals
     assert sum(r["xla_new_compiles"] for r in records[EVAL_EVERY:-1]) == 0, records[EVAL_EVERY:]
     best = torch.load(fit_run / "best.pth", map_location="cpu", weights_only=True)  # plain values: rfdetr loads it
-    assert set(best) == {"model", "config", "step", "class_names", "weights", "ema"}  # EMA on: the evaluated weights
+    assert set(best) == {"model", "config", "step", "class_names", "weights", "ema",  # EMA on: the evaluated weights
+                         "model_name", "model_config", "args"}  # rfdetr's own entries (weights.rfdetr_entries)
     assert best["step"] == max(evals, key=lambda r: r["eval/mAP"])["step"]
     saved = json.loads((fit_run / "eval" / "step0000020_coco_eval.json").read_text())
     assert saved["num_images"] == 40 and saved["stats"]["mAP"] == evals[0]["eval/mAP"]

@@ -25,20 +25,23 @@ from spmd_rfdetr.weights import inference_config, read_weights
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(resolution=128, num_queries=30, group_detr=2, dec_layers=2)
 
-#: Upstream rfdetr alone (no spmd_rfdetr, no torch_xla): the user's own code for a fit checkpoint.
+#: Upstream rfdetr alone (no spmd_rfdetr, no torch_xla): a user's own code for a fit weight file, both ways rfdetr
+#: loads one: its variant class with the saved architecture, and ``RFDETR.from_checkpoint`` from the file alone.
 UPSTREAM_PREDICT = """
 import json, sys, torch
-from rfdetr import RFDETRNano
+from rfdetr import RFDETR, RFDETRNano
 checkpoint, images = sys.argv[1], sys.argv[2:]
 m = torch.load(checkpoint, map_location="cpu", weights_only=True)["config"]["model"]
 model = RFDETRNano(pretrain_weights=checkpoint, num_classes=m["num_classes"], resolution=m["resolution"],
                    num_queries=m["num_queries"], num_select=m["num_queries"], group_detr=m["group_detr"],
                    dec_layers=m["dec_layers"])
+restored = RFDETR.from_checkpoint(checkpoint)
 assert "torch_xla" not in sys.modules, "upstream ran with torch_xla imported"
-out = []
+out = {"class_names": restored.class_names, "images": []}
 for path in images:
-    d = model.predict(path, threshold=0.0)
-    out.append({"xyxy": d.xyxy.tolist(), "score": d.confidence.tolist(), "label": d.class_id.tolist()})
+    d, r = model.predict(path, threshold=0.0), restored.predict(path, threshold=0.0)
+    assert (d.xyxy == r.xyxy).all() and (d.confidence == r.confidence).all() and (d.class_id == r.class_id).all()
+    out["images"].append({"xyxy": d.xyxy.tolist(), "score": d.confidence.tolist(), "label": d.class_id.tolist()})
 print(json.dumps(out))
 """
 
@@ -63,14 +66,16 @@ def test_upstream_rfdetr_predicts_what_our_predict_does(fit_run, synth_dir, tmp_
 
     main(["predict", "--checkpoint", str(checkpoint), "--images", str(folder), "--output", str(tmp_path / "p.json")])
     ours = json.loads((tmp_path / "p.json").read_text())
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)["config"]
+    weight_file = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    saved = weight_file["config"]
     cat2label = {c: label for label, c in (label2cat_for(saved["data"]["dataset_dir"]) or {}).items()}
 
     child = subprocess.run([sys.executable, "-c", UPSTREAM_PREDICT, str(checkpoint), *images], cwd=tmp_path,
                            env=without_xla(), capture_output=True, text=True, timeout=900)
     assert child.returncode == 0, child.stderr[-3000:]
     theirs = json.loads(child.stdout.strip().splitlines()[-1])
-    for image_id, upstream in enumerate(theirs):  # ids of a folder without annotations: the sorted file order
+    assert theirs["class_names"] == weight_file["class_names"] == ["rectangle", "ellipse", "triangle"]
+    for image_id, upstream in enumerate(theirs["images"]):  # ids of a folder without annotations: the sorted file order
         rows = sorted((d for d in ours if d["image_id"] == image_id), key=lambda d: -d["score"])
         order = np.argsort(-np.asarray(upstream["score"]), kind="stable")
         assert len(rows) == len(order) == saved["model"]["num_queries"], (len(rows), len(order))

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from spmd_rfdetr.config import ConfigError
+
 if TYPE_CHECKING:
     from spmd_rfdetr.build import Trainer
 
@@ -127,8 +129,8 @@ def load(path: str | Path, state: dict[str, torch.Tensor]) -> dict[str, Any]:
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     missing, unexpected = sorted(set(state) - set(stored)), sorted(set(stored) - set(state))
     if missing or unexpected:
-        raise ValueError(
-            f"{path} does not match this run's training state (a different model, optimizer or EMA setting?): "
+        raise ConfigError(
+            f"trainer.resume: {path} does not match this run's training state (a different model, optimizer or EMA setting?): "
             f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import queue
 import threading
 import time
@@ -17,9 +19,12 @@ from torch import Tensor
 
 from spmd_rfdetr.mesh import BATCH_AXES, batch_shard_count
 
+log = logging.getLogger(__name__)
 _END = object()  # the wrapped loader is exhausted
 _JOIN_S = 5.0  # how long closing an iteration waits for the thread to finish its in-flight batch
 _POLL_S = 0.1  # how often a thread blocked on a full queue checks whether the consumer stopped
+#: Fault injection for tests: the N-th batch this process loads gets NaN images (a real non-finite step in a real run).
+NAN_BATCH_ENV = "SPMD_RFDETR_TEST_NAN_BATCH"
 
 
 class _Failure:
@@ -53,7 +58,8 @@ class SPMDDataLoader:
         self.sampler = getattr(loader, "sampler", None)
         self.batch_sampler = getattr(loader, "batch_sampler", None)
         self._specs: dict[int, xs.ShardingSpec] = {}  # one spec per tensor rank
-        self._wait_s, self._batches = 0.0, 0
+        self._wait_s, self._batches, self._loaded = 0.0, 0, 0
+        self._nan_batch = int(os.environ.get(NAN_BATCH_ENV, 0))
 
     @property
     def wait_s(self) -> float:
@@ -106,6 +112,10 @@ class SPMDDataLoader:
 
     def to_device(self, batch: Any) -> Any:
         """Move one CPU batch to the mesh, every tensor sharded on dim 0."""
+        self._loaded += 1
+        if self._loaded == self._nan_batch and isinstance(batch, dict) and "images" in batch:
+            log.warning("%s=%d: this batch's images are NaN (fault injection)", NAN_BATCH_ENV, self._nan_batch)
+            batch = {**batch, "images": torch.full_like(batch["images"], float("nan"))}
         return apply_to_collection(batch, Tensor, self._send)
 
     def _send(self, tensor: Tensor) -> Tensor:

@@ -45,14 +45,14 @@ def fit(cfg: RunConfig) -> Path:
     t, d = cfg.trainer, cfg.data
     out = Path(t.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    fabric = spmd_fabric(build_mesh(cfg.mesh.data), precision=PRECISIONS[t.precision])
+    fabric = spmd_fabric(build_mesh(cfg.mesh.data, cfg.mesh.fsdp), precision=PRECISIONS[t.precision])
     fabric.seed_everything(t.seed)
 
     num_classes = cfg.model.num_classes or num_classes_in(d.dataset_dir)
     cfgs = upstream_configs(cfg.model, d, cfg.optim, num_classes)
     train_set = data_report.usable(build_split(cfgs, "train"), "train")  # less the images data.on_bad=skip leaves out
     check_overflow(train_set, d, "train")
-    trainer = build_trainer(fabric, cfgs, cfg.optim, t, ema=cfg.model)
+    trainer = build_trainer(fabric, cfgs, cfg.optim, t, ema=cfg.model, mesh=cfg.mesh)
     net, step_fn = trainer.model, trainer.step
     resume_from = checkpoint.latest(out) if t.resume == "auto" else t.resume
     meta = checkpoint.load(resume_from, checkpoint.training_state(trainer)) if resume_from else {"step": 0}
@@ -119,6 +119,7 @@ def fit(cfg: RunConfig) -> Path:
                     nonfinite_seen = int(values["nonfinite_steps"])
                     if t.on_nonfinite == "stop":
                         metrics.write(record)
+                        metrics.close()
                         raise NonFiniteLoss(f"{message}. Training stopped (trainer.on_nonfinite=stop); the newest "
                                             f"checkpoint in {out / checkpoint.CHECKPOINTS} has finite weights. Lower "
                                             "the learning rate or check the data, then --trainer.resume auto.")

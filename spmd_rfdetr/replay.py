@@ -207,9 +207,16 @@ def _stray_pending(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     known = {id(t) for t in outputs}
     gc.collect()
     candidates = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter) and id(o) not in known]
-    candidates = [t for t in candidates if t.device.type == "xla"]
+    candidates = [t for t in candidates if _on_xla(t)]
     pending = _X._check_tensor_need_materialization(candidates) if candidates else []
     return [t for t, p in zip(candidates, pending) if p]
+
+
+def _on_xla(tensor: torch.Tensor) -> bool:
+    try:
+        return tensor.device.type == "xla"
+    except RuntimeError:  # e.g. a tensor without storage left by another library ("tensor does not have a device")
+        return False
 
 
 def _difference(first: Program, second: Program) -> str:

@@ -47,13 +47,31 @@ def forward_loss(
     criterion: SetCriterion,
     batch: dict[str, torch.Tensor],
     autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+    num_boxes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Forward + criterion: (weighted total loss, rfdetr's loss dict). The loss is computed in fp32."""
+    """Forward + criterion: (weighted total loss, rfdetr's loss dict). The loss is computed in fp32.
+
+    ``num_boxes``: rfdetr's loss normaliser, when it is not this batch's own box count (accumulation)."""
     with autocast():
         outputs = model(as_samples(batch["images"]))
     outputs = _to_float(outputs)
-    loss_dict = criterion(outputs, targets_list(batch))
+    loss_dict = criterion(outputs, targets_list(batch), num_boxes=num_boxes)
     return total_loss(loss_dict, criterion.weight_dict), loss_dict
+
+
+def micro_batches(batch: dict[str, torch.Tensor], count: int, shards: int) -> list[dict[str, torch.Tensor]]:
+    """Split a batch sharded ``shards`` ways on dim 0 into ``count`` micro-batches, each taking the same rows of every
+    shard (a local slice on each device: no data moves between devices)."""
+    size = next(iter(batch.values())).shape[0]
+    if size % (shards * count):
+        raise ValueError(f"a batch of {size} does not split into {count} micro-batches on {shards} shards")
+    rows = size // (shards * count)
+
+    def take(tensor: torch.Tensor, i: int) -> torch.Tensor:
+        grouped = tensor.reshape(shards, count, rows, *tensor.shape[1:])
+        return grouped[:, i].reshape(shards * rows, *tensor.shape[1:])
+
+    return [{k: take(v, i) for k, v in batch.items()} for i in range(count)]
 
 
 def _to_float(tree: Any) -> Any:
@@ -73,12 +91,17 @@ class TrainStep:
         schedule: stepped inside the program (e.g. :class:`~spmd_rfdetr.model.DeviceLRSchedule`); its
             ``tensors()`` are part of the step's state.
         ema: updated inside the program after the optimizer (:class:`~spmd_rfdetr.ema.DeviceEMA`), or ``None``.
+        accumulate: micro-batches per optimizer step, run one after the other inside the program (gradients add up;
+            every micro-batch's losses are normalised by the whole batch's box count, as rfdetr's accumulation does,
+            so the update equals one step on the whole batch). The batch must divide into ``batch_shards`` x this.
+        batch_shards: how many shards the batch dimension is split into on the mesh; micro-batch ``i`` takes rows
+            ``i`` of every shard, so splitting never moves data between devices.
+        full_graph: ``False`` allows host syncs inside the step (``trainer.matcher=scipy``); it implies ``trace``.
+        mode: ``replay``, ``trace`` or ``openxla`` (module docstring).
 
     A step whose loss or gradient norm is not finite does not change the weights or the optimizer state (each updated
     tensor is selected on the device: no host read); the stats count such steps (``nonfinite_steps``, cumulative) and
     name the first one (``first_nonfinite_step``, -1 while there is none), for the loop to act on at a log point.
-        full_graph: ``False`` allows host syncs inside the step (``trainer.matcher=scipy``); it implies ``trace``.
-        mode: ``replay``, ``trace`` or ``openxla`` (module docstring).
     """
 
     def __init__(
@@ -92,9 +115,12 @@ class TrainStep:
         full_graph: bool = True,
         schedule: Any = None,
         ema: Any = None,
+        accumulate: int = 1,
+        batch_shards: int = 1,
         mode: StepMode = "replay",
     ) -> None:
         self.model, self.criterion, self.optimizer, self.schedule, self.ema = model, criterion, optimizer, schedule, ema
+        self.accumulate, self.batch_shards = accumulate, batch_shards
         self.clip_max_norm = clip_max_norm
         self.autocast = autocast
         self.mode: StepMode = mode if full_graph else "trace"
@@ -145,8 +171,7 @@ class TrainStep:
         matcher = self.criterion.matcher
         if hasattr(matcher, "unconverged"):
             matcher.unconverged = None
-        loss, loss_dict = forward_loss(self.model, self.criterion, batch, self.autocast)
-        loss.backward()
+        loss, loss_dict = self._forward_backward(batch)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.clip_max_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_max_norm)
@@ -180,6 +205,20 @@ class TrainStep:
             matcher.unconverged = None  # a live pending tensor outside the state would make replay refuse
         self.stat_names = list(stats)
         return torch.stack([v.float() for v in stats.values()])  # one tensor: one transfer at a log point
+
+    def _forward_backward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.accumulate == 1:
+            loss, loss_dict = forward_loss(self.model, self.criterion, batch, self.autocast)
+            loss.backward()
+            return loss, loss_dict
+        num_boxes = self.criterion.num_boxes_for_targets({"boxes": batch["boxes"]}, targets_list(batch))
+        loss, loss_dict = torch.zeros((), device=batch["boxes"].device), {}
+        for micro in micro_batches(batch, self.accumulate, self.batch_shards):
+            part, part_dict = forward_loss(self.model, self.criterion, micro, self.autocast, num_boxes=num_boxes)
+            part.backward()
+            loss = loss + part.detach()
+            loss_dict = {k: loss_dict.get(k, 0) + v.detach() for k, v in part_dict.items()}
+        return loss, loss_dict
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Run one step; returns the stats vector named by :attr:`stat_names` (still on the device)."""

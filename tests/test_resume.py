@@ -146,3 +146,38 @@ def test_tensorboard_and_csv_get_the_records(fit_run: Path):
     (csv,) = (fit_run / "logs" / "csv").glob("version_*/metrics.csv")
     header = csv.read_text().splitlines()[0].split(",")
     assert {"loss", "lr", "images_per_sec", "xla_compiles"} <= set(header)
+
+
+@pytest.mark.slow
+def test_a_nan_step_stops_fit_or_is_skipped(tiny, synth_dir: str, fit_run: Path, tmp_path: Path, monkeypatch):
+    """A real NaN batch at step 5 of the session fit's config (its graphs are compiled already, in this process):
+    ``stop`` ends the run there, naming the step, with the step-4 checkpoint finite and no last.pth; ``skip_step``
+    trains on to the end with exactly one skipped step and finite weights."""
+    import torch.distributed.checkpoint as dcp
+
+    from conftest import fit_config
+    from spmd_rfdetr import loop
+    from spmd_rfdetr.loader import NAN_BATCH_ENV
+
+    monkeypatch.setenv(NAN_BATCH_ENV, "5")
+    (tmp_path / "stop").mkdir()
+    (tmp_path / "skip").mkdir()
+    cfg = fit_config(tiny, synth_dir, tmp_path / "stop", "replay")
+    cfg.checkpointing.every_steps = 2
+    with pytest.raises(loop.NonFiniteLoss, match=r"at 1 step\(s\) in steps 5\.\.5 \(the first one in this run: step 5\)"):
+        loop.fit(cfg)
+    out = Path(cfg.trainer.output_dir)
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5] and not (out / "last.pth").exists()
+    newest = out / "checkpoints" / "step_00000004"
+    stored = dcp.FileSystemReader(str(newest)).read_metadata().state_dict_metadata
+    host = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items() if hasattr(m, "size")}
+    dcp.load(host, storage_reader=dcp.FileSystemReader(str(newest)), no_dist=True)
+    assert all(torch.isfinite(t).all() for k, t in host.items() if k.startswith(("model.", "ema.")))
+
+    cfg = fit_config(tiny, synth_dir, tmp_path / "skip", "replay")
+    cfg.trainer.on_nonfinite, cfg.eval.every_steps = "skip_step", 0
+    last = torch.load(loop.fit(cfg), map_location="cpu", weights_only=False)
+    records = read_metrics(Path(cfg.trainer.output_dir))
+    assert [r["nonfinite_steps"] for r in records] == [0] * 4 + [1] * 36
+    assert records[4]["loss"] != records[4]["loss"] and all(r["loss"] == r["loss"] for i, r in enumerate(records) if i != 4)
+    assert all(torch.isfinite(t).all() for t in last["model"].values() if t.is_floating_point())

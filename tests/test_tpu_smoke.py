@@ -21,6 +21,13 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run(*args: str) -> subprocess.CompletedProcess:
+    """``python -m spmd_rfdetr ...`` on the TPU (the CPU-mesh variables of the test process removed)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    return subprocess.run([sys.executable, "-m", "spmd_rfdetr", *args], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=1800)
+
+
 def test_1_xla_device_is_a_tpu() -> None:
     assert xr.device_type() == "TPU" and torch_xla.device().type == "xla"
 
@@ -42,9 +49,6 @@ def test_2_matmul_over_5_tflops() -> None:
 def test_3_to_7_two_nano_steps_finite_no_fallbacks(tmp_path: Path) -> None:
     """Nano at 384 px, bf16, 2 steps through `fit`: finite loss, zero aten:: fallbacks (grid_sampler included)."""
     data = tmp_path / "synth"
-    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
-    run = lambda *a: subprocess.run([sys.executable, "-m", "spmd_rfdetr", *a], cwd=ROOT, env=env, text=True,
-                                    capture_output=True, timeout=1800)
     assert run("synth", "--output_dir", str(data), "--image_size", "384").returncode == 0
     result = run("fit", "--config", "configs/v5e.yaml", "--data.dataset_dir", str(data), "--trainer.max_steps", "2",
                  "--trainer.log_every", "1", "--trainer.output_dir", str(tmp_path / "out"), "--data.num_workers", "2")
@@ -59,9 +63,6 @@ def test_3_to_7_two_nano_steps_finite_no_fallbacks(tmp_path: Path) -> None:
 def test_8_a_second_fit_loads_every_graph_from_the_persistent_cache(tmp_path: Path) -> None:
     """Issue 10: two `fit` runs with the same config and compile cache; the second compiles nothing from scratch."""
     data = tmp_path / "synth"
-    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
-    run = lambda *a: subprocess.run([sys.executable, "-m", "spmd_rfdetr", *a], cwd=ROOT, env=env, text=True,
-                                    capture_output=True, timeout=1800)
     assert run("synth", "--output_dir", str(data), "--image_size", "384").returncode == 0
     last = []
     for attempt in ("first", "second"):

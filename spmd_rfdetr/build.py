@@ -1,8 +1,9 @@
-"""The one build path of a training run: model -> Fabric setup -> criterion -> optimizer -> LR schedule -> step.
+"""The one build path of a training run: model -> Fabric setup -> parallelize -> LR schedule -> EMA -> step.
 
 ``fit``, ``benchmarks/run.py``, the tests and user scripts all build their trainer here, so they train the same
-thing the same way (parameters replicated on the mesh, capturable AdamW on rfdetr's parameter groups, device-tensor
-learning rates, the step in ``trainer.step_mode``).
+thing the same way (parameters replicated on the mesh, or sharded along its ``fsdp`` axis by
+:func:`~spmd_rfdetr.parallelize.parallelize`; capturable AdamW on rfdetr's parameter groups, device-tensor learning
+rates, the step in ``trainer.step_mode``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from spmd_rfdetr.config import ModelOptions, OptimOptions, TrainerOptions
+from spmd_rfdetr.config import MeshOptions, ModelOptions, OptimOptions, TrainerOptions
 from spmd_rfdetr.ema import DeviceEMA
 from spmd_rfdetr.loss import build_criterion
 from spmd_rfdetr.model import (
@@ -22,6 +23,7 @@ from spmd_rfdetr.model import (
     build_optimizer,
     build_upstream_criterion,
 )
+from spmd_rfdetr.parallelize import parallelize
 from spmd_rfdetr.step import TrainStep
 
 
@@ -50,16 +52,19 @@ def build_trainer(
     *,
     model: torch.nn.Module | None = None,
     ema: ModelOptions | None = None,
+    mesh: MeshOptions | None = None,
 ) -> Trainer:
     """Build (or take ``model``, a CPU module), set it up on ``fabric``'s mesh and wire the compiled step.
 
     ``trainer.max_steps`` sizes the cosine schedule; ``trainer.matcher`` picks the assignment solver; ``ema`` (a
-    :class:`ModelOptions` with ``ema`` on) adds the EMA of the weights to the step.
+    :class:`ModelOptions` with ``ema`` on) adds the EMA of the weights to the step; ``mesh`` (``fsdp_min_numel``)
+    tunes the parameter sharding, whose ``fsdp`` size is that of ``fabric``'s mesh.
     """
     net = build_model(cfgs) if model is None else model
     criterion = build_criterion(build_upstream_criterion(cfgs)[0], solver=trainer.matcher).train()
     optimizer = build_optimizer(net, cfgs, on_device=True)
     net, optimizer = fabric.setup(net, optimizer)
+    parallelize(unwrap(net), fabric.strategy.mesh, mesh, optimizer)  # fsdp > 1: shard params + AdamW state
     net.train()
     schedule = DeviceLRSchedule(optimizer, optim, trainer.max_steps)
     averaged = DeviceEMA(unwrap(net), ema.ema_decay, ema.ema_tau) if ema is not None and ema.ema else None

@@ -65,7 +65,6 @@ def save(output_dir: str | Path, step: int, state: dict[str, torch.Tensor], meta
     """Write ``state`` and ``meta`` as ``checkpoints/step_<step>``, atomically; keep the newest ``keep``."""
     import torch.distributed.checkpoint as dcp
     import torch_xla
-    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
     root = Path(output_dir) / CHECKPOINTS
     final = root / f"step_{step:08d}"
@@ -74,7 +73,7 @@ def save(output_dir: str | Path, step: int, state: dict[str, torch.Tensor], meta
     partial.mkdir(parents=True)
     torch_xla.sync()
     started = time.perf_counter()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)), planner=SPMDSavePlanner())
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)), planner=_save_planner())
     (partial / _META).write_text(json.dumps({**meta, "step": step}, indent=1, default=str))
     pause = float(os.environ.get(_PAUSE_ENV, 0))
     if pause:
@@ -87,6 +86,31 @@ def save(output_dir: str | Path, step: int, state: dict[str, torch.Tensor], meta
     for old in sorted(complete(root))[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _save_planner() -> Any:
+    """torch_xla's ``SPMDSavePlanner`` writing each distinct shard once. A tensor split along ``fsdp`` and replicated
+    along ``data`` has identical local shards; torch_xla 2.9's de-duplication (``MetadataIndex`` compares without its
+    shard index) removes every copy of such a shard within one process, so the tensor silently vanished from the
+    checkpoint (measured)."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
+
+    class DistinctShards(SPMDSavePlanner):
+        def create_local_plan(self) -> Any:
+            plan = super().create_local_plan()
+            seen, items = set(), []
+            for item in plan.items:
+                key = (item.index.fqn, tuple(item.index.offset or ()))
+                if item.type == WriteItemType.SHARD and key in seen:
+                    continue
+                seen.add(key)
+                items.append(item)
+            return dataclasses.replace(plan, items=items)
+
+    return DistinctShards()
 
 
 def complete(root: Path) -> list[Path]:

@@ -88,6 +88,40 @@ def check_data(
     print(f"check-data: {data.dataset_dir}: ok; {report.summary()}", flush=True)
 
 
+def plan(
+    model: ModelOptions = ModelOptions(),
+    data: DataOptions = DataOptions(),
+    optim: OptimOptions = OptimOptions(),
+    mesh: MeshOptions = MeshOptions(),
+    trainer: TrainerOptions = TrainerOptions(),
+    eval: EvalOptions = EvalOptions(),
+    checkpointing: CheckpointOptions = CheckpointOptions(),
+    variants: list[str] | None = None,
+) -> None:
+    """Print the bytes per device of parameters, gradients, AdamW state and the EMA copy for each RF-DETR variant on
+    the mesh ``--mesh.data x --mesh.fsdp`` (the sharding rules ``fit`` applies), without a device: pick a mesh before
+    renting one. Activations are not included.
+
+    Args:
+        model: ``num_classes`` sizes the class head (default: rfdetr's); each variant is built at its own defaults.
+        data: Accepted so a training config can be passed as is.
+        optim: Accepted so a training config can be passed as is.
+        mesh: ``fsdp`` and ``fsdp_min_numel`` decide the sharding (``data`` does not change bytes per device).
+        trainer: Accepted so a training config can be passed as is.
+        eval: Accepted so a training config can be passed as is.
+        checkpointing: Accepted so a training config can be passed as is.
+        variants: Which variants (default: nano, small, medium, large, base).
+    """
+    from spmd_rfdetr.plan import VARIANTS, format_plan, memory_plan
+
+    if mesh.fsdp < 1 or mesh.fsdp_min_numel < 1:
+        raise ConfigError(f"mesh.fsdp={mesh.fsdp} and mesh.fsdp_min_numel={mesh.fsdp_min_numel} must be >= 1")
+    unknown = sorted(set(variants or ()) - set(VARIANTS))
+    if unknown:
+        raise ConfigError(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
+    print(format_plan(memory_plan(mesh, variants or VARIANTS, model.num_classes), mesh), flush=True)
+
+
 def validate(
     checkpoint: str,
     output_dir: str | None = None,
@@ -216,7 +250,7 @@ def main(args: list[str] | None = None) -> None:
     argv = [a for a in argv if a != "--debug"]
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     verbs = {"fit": fit, "check-data": check_data, "validate": validate, "predict": predict, "export": export,
-             "synth": synth}
+             "synth": synth, "plan": plan}
     try:
         CLI(verbs, args=argv, as_positional=False, parser_class=_Parser)
     except USER_ERRORS as error:

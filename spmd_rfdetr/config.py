@@ -54,9 +54,9 @@ class DataOptions:
     dataset_format: Literal["roboflow", "coco", "yolo"] = "roboflow"
     """``roboflow`` auto-detects COCO or YOLO layouts; ``coco`` expects the COCO 2017 folder layout."""
     global_batch_size: int = 8
-    """Images per step over the whole mesh; must divide by the ``data`` mesh axis."""
+    """Images per step over the whole mesh; must divide by the batch axes (``mesh.data x mesh.fsdp`` devices)."""
     per_device_batch_size: int | None = None
-    """When set, overrides ``global_batch_size`` with this many images per device of the ``data`` axis."""
+    """When set, overrides ``global_batch_size`` with this many images per device (``mesh.data x mesh.fsdp``)."""
     max_targets: int = 100
     """Ground-truth boxes per image after padding (a fixed shape); must be <= ``num_queries``."""
     on_overflow: Literal["error", "truncate"] = "error"
@@ -116,7 +116,16 @@ class MeshOptions:
     """The device mesh one process drives."""
 
     data: int = -1
-    """Size of the ``data`` (batch) axis; -1 uses every device."""
+    """Size of the ``data`` axis (parameters replicated along it); -1 uses every device left after ``fsdp``. The batch
+    is split over ``data x fsdp`` devices."""
+    fsdp: int = 1
+    """Size of the ``fsdp`` axis: every parameter of at least ``fsdp_min_numel`` elements with a dimension divisible
+    by it is sharded along it (so are its gradient, AdamW state and EMA copy), the rest replicated; 1: pure data
+    parallelism. ``data x fsdp`` must be the device count (``python -m spmd_rfdetr plan`` prints the bytes per device
+    for a mesh before you rent one)."""
+    fsdp_min_numel: int = 2**16
+    """Parameters with fewer elements stay replicated on the ``fsdp`` axis (sharding them saves little and adds
+    collectives)."""
     cpu_devices: int | None = None
     """Run on this many virtual XLA CPU devices (sets ``PJRT_DEVICE=CPU``, ``CPU_NUM_DEVICES``) unless
     ``PJRT_DEVICE`` is already set. For trying things out without a TPU."""
@@ -185,7 +194,7 @@ class EvalOptions:
     """Dataset split to evaluate."""
     global_batch_size: int | None = None
     """Images per eval batch over the whole mesh (the last batch is padded to it); ``None`` uses
-    ``data.global_batch_size``. Must divide by the ``data`` mesh axis."""
+    ``data.global_batch_size``. Must divide by the batch axes (``mesh.data x mesh.fsdp`` devices)."""
     num_select: int | None = None
     """Detections kept per image (top-k over queries x classes, as rfdetr's PostProcess); ``None`` keeps rfdetr's
     default for the model (its ``num_select``)."""
@@ -259,7 +268,20 @@ OPENXLA_TRAINING_REFUSED = (
 
 def data_axis(cfg: RunConfig, device_count: int) -> int:
     """Devices on the ``data`` axis of the mesh this config asks for."""
-    return device_count if cfg.mesh.data == -1 else cfg.mesh.data
+    if cfg.mesh.data != -1:
+        return cfg.mesh.data
+    return device_count // cfg.mesh.fsdp if cfg.mesh.fsdp >= 1 else device_count
+
+
+def batch_shards(cfg: RunConfig, device_count: int) -> int:
+    """Devices the batch is split over: ``data x fsdp`` of the mesh this config asks for."""
+    return data_axis(cfg, device_count) * max(cfg.mesh.fsdp, 1)
+
+
+def _batch_axes(cfg: RunConfig, device_count: int) -> str:
+    """How messages name the batch axes: ``data axis`` or ``data x fsdp axes``, with their device count."""
+    axes = "data axis" if cfg.mesh.fsdp == 1 else "data x fsdp axes"
+    return f"{axes} ({batch_shards(cfg, device_count)} devices)"
 
 
 def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
@@ -271,8 +293,8 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
     d, t, o = cfg.data, cfg.trainer, cfg.optim
     if d.per_device_batch_size is not None and d.per_device_batch_size < 1:
         problems.append(f"data.per_device_batch_size={d.per_device_batch_size} must be >= 1")
-    elif device_count is not None and d.per_device_batch_size is not None and data_axis(cfg, device_count) > 0:
-        d.global_batch_size = d.per_device_batch_size * data_axis(cfg, device_count)
+    elif device_count is not None and d.per_device_batch_size is not None and batch_shards(cfg, device_count) > 0:
+        d.global_batch_size = d.per_device_batch_size * batch_shards(cfg, device_count)
     if d.global_batch_size < 1:
         problems.append(f"data.global_batch_size={d.global_batch_size} must be >= 1")
     if d.max_targets < 1:
@@ -293,6 +315,11 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
     mesh_ok = cfg.mesh.data == -1 or cfg.mesh.data >= 1
     if not mesh_ok:
         problems.append(f"mesh.data={cfg.mesh.data} must be >= 1, or -1 for every device")
+    if cfg.mesh.fsdp < 1:
+        mesh_ok = False
+        problems.append(f"mesh.fsdp={cfg.mesh.fsdp} must be >= 1 (1: no parameter sharding)")
+    if cfg.mesh.fsdp_min_numel < 1:
+        problems.append(f"mesh.fsdp_min_numel={cfg.mesh.fsdp_min_numel} must be >= 1")
     if cfg.mesh.cpu_devices is not None and cfg.mesh.cpu_devices < 1:
         problems.append(f"mesh.cpu_devices={cfg.mesh.cpu_devices} must be >= 1")
     if device_count is not None and t.precision == "bf16" and _backend() == "CPU":
@@ -301,15 +328,17 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
             "and the results differ from fp32; bf16 is meant for TPUs (trainer.precision=fp32 on CPU)"
         )
     if device_count is not None and mesh_ok:
-        axis = data_axis(cfg, device_count)
+        axis = batch_shards(cfg, device_count)
+        mesh = f"mesh.data={data_axis(cfg, device_count)}" if cfg.mesh.fsdp == 1 else \
+            f"mesh.data={cfg.mesh.data} x mesh.fsdp={cfg.mesh.fsdp}"
         if axis > device_count:
-            problems.append(f"mesh.data={axis} asks for more devices than the {device_count} there are")
-        elif device_count % axis:
-            problems.append(f"mesh.data={axis} must divide the {device_count} devices (or be -1 for all)")
+            problems.append(f"{mesh} asks for more devices than the {device_count} there are")
+        elif axis < 1 or device_count % axis:
+            problems.append(f"{mesh} must divide the {device_count} devices (or be -1 for all)")
         elif d.global_batch_size % axis:
             problems.append(
-                f"data.global_batch_size={d.global_batch_size} does not divide by the data axis ({axis} devices): "
-                f"use a multiple of {axis}, e.g. {axis * max(1, round(d.global_batch_size / axis))}"
+                f"data.global_batch_size={d.global_batch_size} does not divide by the {_batch_axes(cfg, device_count)}"
+                f": use a multiple of {axis}, e.g. {axis * max(1, round(d.global_batch_size / axis))}"
             )
     if t.compile_backend == "openxla":
         from spmd_rfdetr.openxla_fix import VERIFIED_TORCH_XLA, fix_available
@@ -325,11 +354,11 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
         problems.append(f"eval.num_select={e.num_select} must be >= 1")
     if e.global_batch_size is not None and e.global_batch_size < 1:
         problems.append(f"eval.global_batch_size={e.global_batch_size} must be >= 1")
-    elif e.global_batch_size is not None and device_count is not None:
-        axis = data_axis(cfg, device_count)
+    elif e.global_batch_size is not None and device_count is not None and mesh_ok:
+        axis = batch_shards(cfg, device_count)
         if axis >= 1 and e.global_batch_size % axis:
             problems.append(
-                f"eval.global_batch_size={e.global_batch_size} does not divide by the data axis ({axis} devices)"
+                f"eval.global_batch_size={e.global_batch_size} does not divide by the {_batch_axes(cfg, device_count)}"
             )
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))

@@ -1,8 +1,9 @@
 """The device mesh: one logical grid over every XLA device, with named axes.
 
-Today there is one axis, ``data`` (data parallel: the batch is split along it, parameters are replicated). More axes
-(e.g. ``fsdp``) are added by extending ``AXES`` and ``build_mesh``'s arguments; ``_resolve_axis_sizes`` already handles
-any number of axes, one of which may be ``-1`` ("all devices left").
+Two axes, outermost first: ``data`` and ``fsdp`` (e.g. 2 x 4 on 8 devices; neighbouring devices share an ``fsdp``
+group). The batch is split over both (``BATCH_AXES``); :func:`spmd_rfdetr.parallelize.parallelize` shards the large
+parameters (and their gradients, AdamW state and EMA copy) along ``fsdp`` and replicates them along ``data``. With
+``fsdp=1`` (the default) this is plain data parallelism. One axis may be ``-1`` ("all devices left").
 """
 
 from __future__ import annotations
@@ -14,22 +15,24 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
 DATA_AXIS = "data"
+FSDP_AXIS = "fsdp"
 #: Mesh axis names, outermost first. The batch dimension is sharded over ``BATCH_AXES``.
-AXES: tuple[str, ...] = (DATA_AXIS,)
-BATCH_AXES: tuple[str, ...] = (DATA_AXIS,)
+AXES: tuple[str, ...] = (DATA_AXIS, FSDP_AXIS)
+BATCH_AXES: tuple[str, ...] = (DATA_AXIS, FSDP_AXIS)
 
 
-def build_mesh(data: int = -1) -> xs.Mesh:
-    """Build the SPMD mesh over all ``xr.global_runtime_device_count()`` devices.
+def build_mesh(data: int = -1, fsdp: int = 1) -> xs.Mesh:
+    """Build the 2-D ``(data, fsdp)`` SPMD mesh over all ``xr.global_runtime_device_count()`` devices.
 
     Args:
-        data: size of the ``data`` axis; ``-1`` means every device.
+        data: size of the ``data`` axis; ``-1`` means every device left after ``fsdp``.
+        fsdp: size of the ``fsdp`` axis (parameters sharded along it); ``-1`` means every device left after ``data``.
 
     Raises:
         ValueError: if the axis sizes do not multiply to the device count.
     """
     num_devices = xr.global_runtime_device_count()
-    sizes = _resolve_axis_sizes({DATA_AXIS: data}, num_devices)
+    sizes = _resolve_axis_sizes({DATA_AXIS: data, FSDP_AXIS: fsdp}, num_devices)
     shape = tuple(sizes[name] for name in AXES)
     return xs.Mesh(np.arange(num_devices), shape, AXES)
 
@@ -39,9 +42,14 @@ def data_axis_size(mesh: xs.Mesh) -> int:
     return int(mesh.shape()[DATA_AXIS])
 
 
+def fsdp_axis_size(mesh: xs.Mesh) -> int:
+    """Number of devices along the ``fsdp`` axis (1 on a mesh without one)."""
+    return int(mesh.shape().get(FSDP_AXIS, 1))
+
+
 def batch_shard_count(mesh: xs.Mesh) -> int:
     """Number of shards the batch dimension is split into (product of ``BATCH_AXES`` sizes)."""
-    return math.prod(int(mesh.shape()[name]) for name in BATCH_AXES)
+    return math.prod(int(mesh.shape().get(name, 1)) for name in BATCH_AXES)
 
 
 def _resolve_axis_sizes(sizes: dict[str, int], num_devices: int) -> dict[str, int]:

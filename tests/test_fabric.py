@@ -62,7 +62,7 @@ def tiny_net() -> nn.Module:
 def test_build_mesh_uses_every_device():
     assert xr.global_runtime_device_count() == N
     for mesh in (build_mesh(), build_mesh(data=N)):
-        assert mesh.axis_names == ("data",) and mesh.size() == N and data_axis_size(mesh) == N
+        assert mesh.axis_names == ("data", "fsdp") and mesh.size() == N and data_axis_size(mesh) == N
 
 
 @pytest.mark.parametrize(("data", "words"), [(3, ["mesh.data=3", "does not divide", "4"]),

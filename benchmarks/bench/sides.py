@@ -68,7 +68,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from spmd_rfdetr.build import build_trainer
     from spmd_rfdetr.config import resolve_and_check
     from spmd_rfdetr.fabric import spmd_fabric
-    from spmd_rfdetr.mesh import build_mesh, data_axis_size
+    from spmd_rfdetr.mesh import batch_shard_count, build_mesh
     from spmd_rfdetr.model import build_model, upstream_configs
 
     mode = spec.get("step_mode", "replay")
@@ -86,7 +86,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
                          "restrict the visible chips (TPU_VISIBLE_CHIPS ...) before starting")
     resolve_and_check(cfg, devices)
     m, d = cfg.model, cfg.data
-    fabric = spmd_fabric(build_mesh(cfg.mesh.data), precision=PRECISIONS[cfg.trainer.precision])
+    fabric = spmd_fabric(build_mesh(cfg.mesh.data, cfg.mesh.fsdp), precision=PRECISIONS[cfg.trainer.precision])
     mesh = fabric.strategy.mesh
     cfgs = upstream_configs(m, d, cfg.optim, m.num_classes)
     torch.manual_seed(cfg.trainer.seed)
@@ -101,7 +101,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
         flops = count_flops_per_image(net, cfgs, cpu_batches[0])
         print(f"[bench] {label}: {flops / 1e9:.2f} GFLOP/image ({time.perf_counter() - t:.1f} s)", file=sys.stderr)
 
-    trainer = build_trainer(fabric, cfgs, cfg.optim, cfg.trainer, model=net)
+    trainer = build_trainer(fabric, cfgs, cfg.optim, cfg.trainer, model=net, mesh=cfg.mesh)
     step = trainer.step
     traces = PythonTraces(trainer.model)
     loader = fabric.strategy.process_dataloader(cpu_batches)
@@ -112,7 +112,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     fallbacks = Counters.fallback_names()
     stats = [step.read(s) for s in outputs]  # after timing: reads back every step's stats
     info = device_info(devices)
-    shards = data_axis_size(mesh)
+    shards = batch_shard_count(mesh)
     result = summarize(records, d.global_batch_size, info["chips"], loop)
     replayer = getattr(step, "_replayer", None)
     step_traces = getattr(step, "traces", None)  # TrainStep's own count of its Python runs, where it keeps one

@@ -16,6 +16,7 @@ import torch
 from spmd_rfdetr.config import MeshOptions, ModelOptions, OptimOptions, TrainerOptions
 from spmd_rfdetr.ema import DeviceEMA
 from spmd_rfdetr.loss import build_criterion
+from spmd_rfdetr.mesh import batch_shard_count
 from spmd_rfdetr.model import (
     DeviceLRSchedule,
     UpstreamConfigs,
@@ -70,7 +71,8 @@ def build_trainer(
     averaged = DeviceEMA(unwrap(net), ema.ema_decay, ema.ema_tau) if ema is not None and ema.ema else None
     step = TrainStep(
         net, criterion, optimizer, clip_max_norm=optim.clip_max_norm, full_graph=trainer.matcher == "device",
-        schedule=schedule, ema=averaged, mode="openxla" if trainer.compile_backend == "openxla" else trainer.step_mode,
+        schedule=schedule, ema=averaged, accumulate=optim.accumulate, batch_shards=batch_shard_count(fabric.strategy.mesh),
+        mode="openxla" if trainer.compile_backend == "openxla" else trainer.step_mode,
     )
     return Trainer(net, criterion, optimizer, schedule, step, averaged)
 

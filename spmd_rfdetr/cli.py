@@ -2,6 +2,7 @@
 
 Every config, data and path error (and every command-line parse error) leaves as one message on stderr with exit
 status 2 and no traceback; ``--debug`` anywhere on the command line (or ``SPMD_RFDETR_DEBUG=1``) adds the traceback.
+A run stopped by a non-finite loss (``trainer.on_nonfinite=stop``) leaves with one message and exit status 3.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from jsonargparse import CLI, ArgumentParser, set_parsing_settings
 
 from spmd_rfdetr import checks, loop
+from spmd_rfdetr.loop import NonFiniteLoss
 from spmd_rfdetr.config import (
     ConfigError,
     DataOptions,
@@ -260,3 +262,8 @@ def main(args: list[str] | None = None) -> None:
         help_hint = f"python -m spmd_rfdetr {verb} --help".replace("  ", " ")
         print(f"error: {error}\n({help_hint} lists the options; --debug shows the traceback)", file=sys.stderr)
         raise SystemExit(2) from None
+    except NonFiniteLoss as error:  # not the user's input: the run itself went bad; its checkpoints are intact
+        if debug:
+            traceback.print_exc()
+        print(f"training stopped: {error}", file=sys.stderr)
+        raise SystemExit(3) from None

@@ -109,6 +109,11 @@ class OptimOptions:
     lr_drop_step: int = 0
     """Step schedule: the LR drops 10x at this optimizer step (0 = never). rfdetr counts its ``lr_drop`` in epochs:
     the same drop is ``lr_drop_step = lr_drop x steps per epoch``."""
+    accumulate: int = 1
+    """Micro-batches per optimizer step, run one after another inside the one compiled step (gradient accumulation
+    with static shapes): ``data.global_batch_size`` images per optimizer step in ``accumulate`` pieces, so each piece
+    needs 1/``accumulate`` of the activation memory. Losses are normalised by the whole batch's box count, as rfdetr
+    does, so the update is that of one batch of ``global_batch_size``."""
 
 
 @dataclass
@@ -303,6 +308,8 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
         problems.append(f"trainer.max_steps={t.max_steps} must be >= 1")
     if t.log_every < 1:
         problems.append(f"trainer.log_every={t.log_every} must be >= 1")
+    if o.accumulate < 1:
+        problems.append(f"optim.accumulate={o.accumulate} must be >= 1 (1: no accumulation)")
     if o.warmup_steps < 0:
         problems.append(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
     problems += _model_problems(cfg)
@@ -339,6 +346,12 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
             problems.append(
                 f"data.global_batch_size={d.global_batch_size} does not divide by the {_batch_axes(cfg, device_count)}"
                 f": use a multiple of {axis}, e.g. {axis * max(1, round(d.global_batch_size / axis))}"
+            )
+        elif o.accumulate > 1 and d.global_batch_size % (axis * o.accumulate):
+            step = axis * o.accumulate
+            problems.append(
+                f"data.global_batch_size={d.global_batch_size} does not split into optim.accumulate={o.accumulate} "
+                f"micro-batches over the {_batch_axes(cfg, device_count)}: use a multiple of {step}"
             )
     if t.compile_backend == "openxla":
         from spmd_rfdetr.openxla_fix import VERIFIED_TORCH_XLA, fix_available

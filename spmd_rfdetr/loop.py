@@ -111,19 +111,16 @@ def fit(cfg: RunConfig) -> Path:
                     "step_mode": step_fn.mode,
                     "step_traces": step_fn.traces,  # how often the step's Python ran (replay: 2 per run)
                 }
-                if values["nonfinite_steps"] > nonfinite_seen:
-                    first = int(values["first_nonfinite_step"])
-                    message = (f"non-finite loss or gradient at {int(values['nonfinite_steps']) - nonfinite_seen} "
-                               f"step(s) in steps {max(first, step - window_steps + 1)}..{step} (the first one in "
-                               f"this run: step {first}); those updates were not applied")
-                    nonfinite_seen = int(values["nonfinite_steps"])
-                    if t.on_nonfinite == "stop":
-                        metrics.write(record)
-                        metrics.close()
-                        raise NonFiniteLoss(f"{message}. Training stopped (trainer.on_nonfinite=stop); the newest "
-                                            f"checkpoint in {out / checkpoint.CHECKPOINTS} has finite weights. Lower "
-                                            "the learning rate or check the data, then --trainer.resume auto.")
-                    log.warning("%s (trainer.on_nonfinite=skip_step)", message)
+                problem = _nonfinite(values, nonfinite_seen, first_in_window=step - window_steps + 1, step=step)
+                nonfinite_seen = int(values["nonfinite_steps"])
+                if problem and t.on_nonfinite == "stop":
+                    metrics.write(record)
+                    metrics.close()
+                    raise NonFiniteLoss(f"{problem}. Training stopped (trainer.on_nonfinite=stop); the newest "
+                                        f"checkpoint in {out / checkpoint.CHECKPOINTS} has finite weights. Lower the "
+                                        "learning rate or check the data, then --trainer.resume auto.")
+                if problem:
+                    log.warning("%s (trainer.on_nonfinite=skip_step)", problem)
                 if eval_now:
                     record.update(evaluation(step), evaluated_weights=weights)
                     if evaluation.improved:
@@ -143,6 +140,16 @@ def fit(cfg: RunConfig) -> Path:
     last = save_weights(out / "last.pth", t.max_steps)
     log.info("saved %s (%s weights)", last, weights)
     return last
+
+
+def _nonfinite(values: dict[str, float], seen: int, *, first_in_window: int, step: int) -> str:
+    """What the step counters say about non-finite steps since the last log point ('' if there were none)."""
+    count = int(values["nonfinite_steps"]) - seen
+    if count <= 0:
+        return ""
+    first = int(values["first_nonfinite_step"])
+    return (f"non-finite loss or gradient at {count} step(s) in steps {max(first, first_in_window)}..{step} (the "
+            f"first one in this run: step {first}); those updates were not applied")
 
 
 class Preemption:

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -258,3 +259,16 @@ def test_data_errors_exit_2_and_debug_keeps_the_traceback(tmp_path: Path, capsys
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and "Traceback" in err and "DataError" in err, err
 
+
+@pytest.mark.slow
+def test_validate_checks_the_eval_split_before_compiling(bad_dataset: Path, tiny: Any, tmp_path: Path) -> None:
+    import torch
+
+    checkpoint = tmp_path / "weights.pth"
+    torch.save({"model": tiny.init_state}, checkpoint)  # the tiny model's weights (configs/cpu.yaml's shapes)
+    result = run_cli("validate", "--config", "configs/cpu.yaml", "--data.dataset_dir", str(bad_dataset),
+                     "--model.num_classes", "3", "--checkpoint", str(checkpoint))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "[valid] valid/_annotations.coco.json: not readable as JSON" in result.stderr
+    assert "[train]" not in result.stderr  # validate reads the eval split only (train's mapping read fine)
+    assert "Traceback" not in result.stderr and COMPILED not in result.stdout + result.stderr

@@ -43,6 +43,10 @@ CASES = {
     "batch_axis": (edited(data={"global_batch_size": 6}), 4,
                    "data.global_batch_size=6 does not divide by the data axis (4 devices): use a multiple of 4, "
                    "e.g. 8"),
+    "accumulate": (edited(optim={"accumulate": 0}), None, "optim.accumulate=0 must be >= 1 (1: no accumulation)"),
+    "accumulate_split": (edited(optim={"accumulate": 3}), 4,
+                         "data.global_batch_size=8 does not split into optim.accumulate=3 micro-batches over the data "
+                         "axis (4 devices): use a multiple of 12"),
     "openxla_matcher": (edited(trainer={"compile_backend": "openxla", "matcher": "scipy"}), None,
                         "trainer.compile_backend=openxla needs trainer.matcher=device"),
     "eval_every": (edited(eval={"every_steps": -1}), None,

@@ -17,6 +17,29 @@ from spmd_rfdetr.data import targets_list
 PARITY_STEPS = 5
 
 
+def parity_tolerance(step: int) -> float:
+    """Relative loss tolerance at ``step`` (from 1) between two correct float32 runs of the tiny config's training
+    (ours compiled on the XLA mesh against upstream's eager CPU step; or two of our step variants), from the same
+    initial weights at lr 1e-4 (measured 2026-11-30, issue 12):
+
+    - step 1, the same weights: rounding only (measured 7e-8);
+    - step 2, one AdamW update: AdamW's first update is ``lr * g / (|g| + eps)``, almost rounding-free (the weights
+      differ by <= 1.2e-6 = 0.012 lr afterwards); measured 1.4e-7. Upstream's own step in float64 differs from its
+      float32 step by 5.3e-6 here (see below). A 1% LR error moves this loss by 2.3e-4: 1e-4 catches it;
+    - from step 3: the two-stage encoder's top-k ranks near-tied proposal scores (adjacent gaps down to 2.4e-7 at
+      these weights) and rounding differences reorder them, giving two queries each other's proposals (rfdetr's
+      transformer.py says the same of bf16); AdamW's per-element normalisation then turns the resulting weight
+      differences into O(lr) changes of ~1e5 weights per update, which compound. Measured over steps 3-5: ours vs
+      upstream 4.1e-5, 6.0e-6, 6.3e-4 (a CPU forward of our weights ranks 2 proposal pairs differently before step 3,
+      10 before step 4); upstream float64 vs upstream float32 1.9e-4, 2.4e-4, 2.5e-4 (one reordering already before
+      step 2: the 5.3e-6 above); ours vs float64 up to 8.8e-4. Not the matcher: the smallest gap between the best and
+      second-best assignment of any problem is 1.4e-3 at step 2, far above rounding, and the assignments differ only
+      after a reordering moved the predictions. 2e-3 is about twice the largest difference measured between correct
+      runs; a 10% LR error moves step 3 by 7.6e-3.
+    """
+    return 1e-5 if step == 1 else 1e-4 if step == 2 else 2e-3
+
+
 def sharding(t: torch.Tensor) -> str:
     return torch_xla._XLAC._get_xla_sharding_spec(t)
 
@@ -52,7 +75,10 @@ def test_batch_sharded_on_data_axis_params_replicated(tiny, mesh_trainer):
         assert sharding(p) in ("", "{replicated}")
 
 
+@pytest.mark.slow
 def test_parity_with_upstream_eager_step(tiny, mesh_trainer):
+    """Our compiled step on the mesh against upstream rfdetr's eager CPU step over PARITY_STEPS steps: step 1's loss and
+    gradients, then each step's loss within :func:`parity_tolerance` (why later steps need more: its docstring)."""
     ref_losses, ref_grads = upstream_eager_steps(tiny, PARITY_STEPS)
     losses = []
     for i in range(PARITY_STEPS):
@@ -66,8 +92,8 @@ def test_parity_with_upstream_eager_step(tiny, mesh_trainer):
             norm = torch.sqrt(sum((r**2).sum() for r in ref_grads))
             assert abs(losses[0] - ref_losses[0]) <= 1e-5 * abs(ref_losses[0]), (losses[0], ref_losses[0])
             assert diff / norm <= 1e-4, f"gradient relative L2 error {float(diff / norm):.3g}"
-    for ours, ref in zip(losses, ref_losses):
-        assert abs(ours - ref) <= 1e-3 * abs(ref), (losses, ref_losses)
+    for step, (ours, ref) in enumerate(zip(losses, ref_losses), start=1):
+        assert abs(ours - ref) <= parity_tolerance(step) * abs(ref), (step, losses, ref_losses)
     print(f"parity: losses ours {losses} upstream {ref_losses}; step-1 grad rel L2 {float(diff / norm):.3g}")
 
 
@@ -219,8 +245,7 @@ def test_accumulating_two_micro_batches_equals_one_batch(tiny, mesh_trainer):
 def test_scipy_matcher_steps_equal_the_device_matchers(tiny, mesh_trainer):
     """``trainer.matcher=scipy`` (upstream's host solve: the step is traced every call and cut at the matcher's
     transfer) against the device matcher, each from the initial weights for 3 steps: the same assignments, so the
-    same losses; from step 3 within the multi-step float tolerance of :func:`test_parity_with_upstream_eager_step`
-    (the two programs round differently and AdamW amplifies that, see :data:`DRIFT_TOLERANCE`)."""
+    same losses, within :func:`parity_tolerance` (two programs that round differently)."""
     import dataclasses
 
     from spmd_rfdetr.build import build_trainer
@@ -236,6 +261,5 @@ def test_scipy_matcher_steps_equal_the_device_matchers(tiny, mesh_trainer):
     assert modes == {"device": "replay", "scipy": "trace"}
     device, scipy = losses["device"], losses["scipy"]
     for step, (ours, ref) in enumerate(zip(device, scipy), start=1):
-        tolerance = TIGHT if step <= TIGHT_STEPS else DRIFT_TOLERANCE
-        assert abs(ours - ref) <= tolerance * abs(ref), (step, device, scipy)
+        assert abs(ours - ref) <= parity_tolerance(step) * abs(ref), (step, device, scipy)
     print(f"device matcher {device}, scipy matcher {scipy}")

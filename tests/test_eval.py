@@ -25,6 +25,7 @@ from spmd_rfdetr.step import as_samples
 from conftest import EVAL_EVERY  # tests/ is on sys.path (rootdir conftest, no __init__.py)
 
 SUBSET, EVAL_BATCH = 20, 12  # 20 images in global batches of 12: 12 + 8 padded to 12
+pytestmark = pytest.mark.slow  # every test reads the session fit (conftest.fit_run) or compiles an eval program
 
 
 def counter(name: str) -> int:

@@ -114,6 +114,7 @@ def test_export_onnx_runs_like_the_eager_model(fit_run, tmp_path):
     np.testing.assert_allclose(outputs["labels"], eager["pred_logits"].numpy(), atol=1e-3)
 
 
+@pytest.mark.slow
 def test_export_without_the_extra_names_it_and_exits_2(tmp_path):
     """A real missing dependency: rfdetr's OpenVINO extra is not a dependency of this project."""
     if importlib.util.find_spec("openvino") is not None:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,6 +25,7 @@ def test_readme_fabric_script_is_short() -> None:
     assert len(lines) <= 22, len(lines)
 
 
+@pytest.mark.slow
 def test_readme_fabric_script_trains(synth_dir: str, tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(readme_fabric_example())

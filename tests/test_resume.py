@@ -133,6 +133,7 @@ def test_sigterm_kill_during_save_and_resume_give_the_straight_run(fit_run: Path
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000032", "step_00000040"]  # keep 2
 
 
+@pytest.mark.slow
 def test_tensorboard_and_csv_get_the_records(fit_run: Path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

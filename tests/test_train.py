@@ -97,6 +97,7 @@ def test_parity_with_upstream_eager_step(tiny, mesh_trainer):
     print(f"parity: losses ours {losses} upstream {ref_losses}; step-1 grad rel L2 {float(diff / norm):.3g}")
 
 
+@pytest.mark.slow
 def test_two_steps_finite_bool_masks_no_cpu_fallbacks(tiny, mesh_trainer):
     for i in range(2):
         stats = mesh_trainer.step.read(mesh_trainer.step(mesh_trainer.to_device(tiny.batches[i])))
@@ -121,6 +122,7 @@ def test_bf16_reaches_the_step_hlo(tiny, mesh_trainer):
         del net, logits  # drop the traced graph unexecuted
 
 
+@pytest.mark.slow
 def test_steady_state_one_graph_no_transfers_no_recompiles(tiny, mesh_trainer):
     """Issue 'zero host syncs': >= 5 steady-state steps = 5 executions, 0 transfers, 0 compiles, 0 fallbacks."""
     for i in range(2):  # warm-up: both step graphs (without/with optimizer state) exist
@@ -165,6 +167,7 @@ def test_a_stray_host_sync_in_the_step_fails_loudly(tiny, mesh_trainer, mode):
     assert xla_counters()["xla_compiles"] == before
 
 
+@pytest.mark.slow
 def test_ema_in_the_step_equals_rfdetr_model_ema_on_the_same_weights(tiny, mesh_trainer):
     """rfdetr's own ModelEma on the CPU, fed the weights our step produced after each step, from the EMA state the
     session's trainer has now: the averages our compiled step kept agree to 1e-6, and updating them cost nothing."""
@@ -196,6 +199,7 @@ def test_ema_in_the_step_equals_rfdetr_model_ema_on_the_same_weights(tiny, mesh_
     assert int(ema.updates.cpu()) == reference.updates
 
 
+@pytest.mark.slow
 def test_a_nonfinite_step_changes_nothing_and_is_counted(tiny, mesh_trainer):
     """A NaN batch: the step's loss is NaN, the weights and AdamW state stay as they were, the device counters name
     the step; the next finite batch trains again."""

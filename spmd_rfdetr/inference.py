@@ -54,7 +54,7 @@ def load_for_inference(cfg: RunConfig, checkpoint: str) -> tuple[RunConfig, Any,
     from spmd_rfdetr.model import build_model, upstream_configs
 
     num_classes = cfg.model.num_classes or num_classes_in(cfg.data.dataset_dir)
-    fabric = spmd_fabric(build_mesh(cfg.mesh.data), precision=PRECISIONS[cfg.trainer.precision])
+    fabric = spmd_fabric(build_mesh(cfg.mesh.data, cfg.mesh.fsdp), precision=PRECISIONS[cfg.trainer.precision])
     cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, num_classes)
     net = build_model(cfgs)  # an rfdetr checkpoint is loaded here, by rfdetr (cfg.model.pretrain_weights)
     if saved.kind != "rfdetr":

@@ -266,7 +266,8 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create Adam/AdamW state on the device before the first step (torch creates it lazily inside step 1).
 
     Otherwise step 1 traces a graph without optimizer-state inputs and step 2 compiles the steady-state graph again.
-    The tensors inherit each parameter's sharding (``zeros_like``), as the step's own outputs will have it.
+    Under SPMD ``zeros_like`` comes back replicated whatever the parameter's sharding (measured); with an ``fsdp``
+    axis :func:`~spmd_rfdetr.parallelize.parallelize` has already created this state sharded like each parameter.
     """
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return

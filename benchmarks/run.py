@@ -23,8 +23,8 @@ Each side runs in its own subprocess (SPMD is process-global in torch_xla): the 
 
 Both sides train the same model config from the same initial weights (same seed) on the same fixed synthetic batches
 (deterministic random images, 1..T valid random boxes per image), which are put on the device once before timing:
-neither data loading nor the host->device input copy is measured. Ours steps its device-tensor LR schedule inside
-the step as ``fit`` does; upstream keeps a constant learning rate.
+neither data loading nor the host->device input copy is measured. Both sides train at a constant learning rate (ours
+still steps its device-tensor LR schedule inside the step as ``fit`` does, with a constant factor of 1).
 Every step is timed on its own: ``time.perf_counter()`` around the step call and ``xm.wait_device_ops()`` (which
 moves no data to the host), so host time (tracing + dispatch, and for upstream its synchronous matcher round trips)
 and wall time per step are both reported; warm-up steps (where compilation happens) are plotted but not in the

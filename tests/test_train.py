@@ -146,7 +146,7 @@ def test_steady_state_one_graph_no_transfers_no_recompiles(tiny, mesh_trainer):
 @pytest.mark.parametrize("mode", ["replay", "trace"])
 def test_a_stray_host_sync_in_the_step_fails_loudly(tiny, mesh_trainer, mode):
     """full_graph=True: an `.item()` inside the step raises torch_xla's own error (execution is disallowed while the
-    step is traced) instead of silently splitting the graph; it raises while tracing, before anything compiles."""
+    step is traced) instead of silently splitting the graph; replay raises while tracing, before the step compiles."""
     from spmd_rfdetr.step import TrainStep
 
     class SyncingCriterion(torch.nn.Module):
@@ -154,8 +154,8 @@ def test_a_stray_host_sync_in_the_step_fails_loudly(tiny, mesh_trainer, mode):
             super().__init__()
             self.inner, self.matcher, self.weight_dict = inner, inner.matcher, inner.weight_dict
 
-        def forward(self, outputs, targets):
-            losses = self.inner(outputs, targets)
+        def forward(self, outputs, targets, **kwargs):
+            losses = self.inner(outputs, targets, **kwargs)
             float(losses["loss_ce"])  # a host sync
             return losses
 
@@ -164,7 +164,8 @@ def test_a_stray_host_sync_in_the_step_fails_loudly(tiny, mesh_trainer, mode):
     before = xla_counters()["xla_compiles"]
     with pytest.raises(RuntimeError, match="Unexpected execution happens inside the compiled function"):
         step(mesh_trainer.to_device(tiny.batches[0]))
-    assert xla_counters()["xla_compiles"] == before
+    if mode == "replay":  # (trace: torch_xla.compile's exit syncs the partial trace, a small compile of its own)
+        assert xla_counters()["xla_compiles"] == before, "the step compiled before the sync was caught"
 
 
 @pytest.mark.slow

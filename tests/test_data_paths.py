@@ -155,3 +155,41 @@ def test_dataset_formats_read_the_same_samples(layouts: dict[str, Path], layout:
     assert torch.equal(ours["labels"][ours["valid"]], theirs["labels"][theirs["valid"]] + label_offset)
     train = split_of(cfg, "train", num_classes)
     assert len(train) == 8 and train[0][0].shape == (3, RESOLUTION, RESOLUTION)
+
+
+# ------------------------------------------------------------------------------------- predict's image folder
+def relabelled_split(src: Path, dst: Path) -> dict[str, int]:
+    """A copy of a split folder whose annotation file gives its images ids unlike their sorted positions."""
+    shutil.copytree(src, dst)
+    ann_file = dst / "_annotations.coco.json"
+    coco = json.loads(ann_file.read_text())
+    new_id = {im["id"]: 1000 + 7 * (len(coco["images"]) - i) for i, im in enumerate(coco["images"])}
+    for im in coco["images"]:
+        im["id"] = new_id[im["id"]]
+    for ann in coco["annotations"]:
+        ann["image_id"] = new_id[ann["image_id"]]
+    ann_file.write_text(json.dumps(coco))
+    return {im["file_name"]: im["id"] for im in coco["images"]}
+
+
+def test_image_folder_takes_ids_from_its_annotations(layouts: dict[str, Path], tmp_path: Path) -> None:
+    """``predict --images`` on a split folder: image ids from its ``_annotations.coco.json`` (so detections line up
+    with that split's ground truth), positions in a plain folder, and an unlisted image is a clear error."""
+    from spmd_rfdetr.images import ImageFolder, eval_transforms
+
+    transforms = eval_transforms(upstream_configs(ModelOptions(resolution=RESOLUTION), DataOptions(), OptimOptions(), 3))
+    ids = relabelled_split(layouts["roboflow"] / "valid", tmp_path / "split")
+    folder = ImageFolder(tmp_path / "split", transforms)
+    assert dict(zip(folder.files, folder.ids)) == ids and folder.ids != list(range(len(ids)))
+    image, target = folder[0]
+    assert image.shape == (3, RESOLUTION, RESOLUTION) and int(target["image_id"]) == ids[folder.files[0]]
+    assert folder.images_json() == [{"id": ids[name], "file_name": name} for name in sorted(ids)]
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name in sorted(ids)[:3]:
+        shutil.copy(tmp_path / "split" / name, plain / name)
+    assert ImageFolder(plain, transforms).ids == [0, 1, 2]
+    extra = sorted(ids)[0].replace(".jpg", "_extra.jpg")
+    shutil.copy(tmp_path / "split" / sorted(ids)[0], tmp_path / "split" / extra)
+    with pytest.raises(ValueError, match=f"does not list 1 image\\(s\\) of the folder, e.g. {extra}"):
+        ImageFolder(tmp_path / "split", transforms)

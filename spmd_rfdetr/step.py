@@ -55,7 +55,8 @@ def forward_loss(
     with autocast():
         outputs = model(as_samples(batch["images"]))
     outputs = _to_float(outputs)
-    loss_dict = criterion(outputs, targets_list(batch), num_boxes=num_boxes)
+    extra = {} if num_boxes is None else {"num_boxes": num_boxes}  # a criterion without rfdetr's override works too
+    loss_dict = criterion(outputs, targets_list(batch), **extra)
     return total_loss(loss_dict, criterion.weight_dict), loss_dict
 
 

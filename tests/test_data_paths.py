@@ -177,7 +177,8 @@ def test_image_folder_takes_ids_from_its_annotations(layouts: dict[str, Path], t
     with that split's ground truth), positions in a plain folder, and an unlisted image is a clear error."""
     from spmd_rfdetr.images import ImageFolder, eval_transforms
 
-    transforms = eval_transforms(upstream_configs(ModelOptions(resolution=RESOLUTION), DataOptions(), OptimOptions(), 3))
+    cfgs = upstream_configs(ModelOptions(resolution=RESOLUTION), DataOptions(), OptimOptions(), num_classes=3)
+    transforms = eval_transforms(cfgs)
     ids = relabelled_split(layouts["roboflow"] / "valid", tmp_path / "split")
     folder = ImageFolder(tmp_path / "split", transforms)
     assert dict(zip(folder.files, folder.ids)) == ids and folder.ids != list(range(len(ids)))

@@ -143,8 +143,9 @@ def test_map_equals_pycocotools_on_the_detections_json(first_eval, synth_dir, tm
 
 
 def test_validate_and_predict_cli_match_eval(fit_run, synth_dir, tmp_path):
-    """The user's flow: the run's last.pth alone, then `validate` and `predict` (in this process). No --config: the
-    tiny architecture (not rfdetr's Nano default), dataset and batch size come from the checkpoint."""
+    """The user's flow: the run's last.pth alone, then `validate` and `predict` (in this process), predict on a plain
+    folder and on a split folder with annotations. No --config: the tiny architecture (not rfdetr's Nano default),
+    dataset and batch size come from the checkpoint."""
     from spmd_rfdetr.cli import main
 
     checkpoint = fit_run / "last.pth"
@@ -165,6 +166,24 @@ def test_validate_and_predict_cli_match_eval(fit_run, synth_dir, tmp_path):
               json.loads((Path(synth_dir) / "valid" / "_annotations.coco.json").read_text())["images"]}
     assert sorted(listed.values()) == names
     for image_id, name in listed.items():
+        ours = [(d["category_id"], d["score"], d["bbox"]) for d in predictions if d["image_id"] == image_id]
+        theirs = [(d["category_id"], d["score"], d["bbox"]) for d in eval_detections
+                  if d["image_id"] == gt_ids[name]]
+        assert len(ours) == len(theirs) > 0, name
+        for (c1, s1, b1), (c2, s2, b2) in zip(ours, theirs):
+            assert c1 == c2 and abs(s1 - s2) < 1e-5 and np.allclose(b1, b2, atol=1e-3), (name, b1, b2)
+
+    # the whole valid split folder, its annotation file giving ids unlike the sorted positions: predictions carry the
+    # file's ids, and each image's detections are the eval's for that file
+    from test_data_paths import relabelled_split
+
+    ids = relabelled_split(Path(synth_dir) / "valid", tmp_path / "split")
+    main(["predict", "--checkpoint", str(checkpoint), "--images", str(tmp_path / "split"), "--output",
+          str(tmp_path / "split.json")])
+    predictions = json.loads((tmp_path / "split.json").read_text())
+    assert {im["file_name"]: im["id"] for im in json.loads((tmp_path / "split.images.json").read_text())} == ids
+    assert {d["image_id"] for d in predictions} == set(ids.values())
+    for name, image_id in ids.items():
         ours = [(d["category_id"], d["score"], d["bbox"]) for d in predictions if d["image_id"] == image_id]
         theirs = [(d["category_id"], d["score"], d["bbox"]) for d in eval_detections
                   if d["image_id"] == gt_ids[name]]

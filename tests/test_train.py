@@ -198,7 +198,7 @@ def test_steady_state_one_graph_no_transfers_no_recompiles(tiny, mesh_trainer):
     assert stats["matcher_unconverged"] == 0
 
 
-@pytest.mark.parametrize("mode", ["replay", "trace"])
+@pytest.mark.parametrize("mode", ["replay", pytest.param("trace", marks=pytest.mark.slow)])  # trace compiles (below)
 def test_a_stray_host_sync_in_the_step_fails_loudly(tiny, mesh_trainer, mode):
     """full_graph=True: an `.item()` inside the step raises torch_xla's own error (execution is disallowed while the
     step is traced) instead of silently splitting the graph; replay raises while tracing, before the step compiles."""

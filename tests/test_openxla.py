@@ -73,10 +73,6 @@ def test_openxla_training_is_wrong_without_the_fix_and_exact_with_it(mesh_traine
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="regressed in session 4: the openxla fit dies at step 1 in optimizer.step() with torch_xla's "
-                   "'Trying to access XLA data ... while an async operation is in flight' (not the non-finite guard: "
-                   "it is off under openxla and the error stays); cause not found yet, see the issue notes",
-                   strict=False)
 def test_fit_trains_with_openxla_as_with_replay(tiny, synth_dir, fit_run, tmp_path):
     """The CLI's `fit` with compile_backend=openxla, 5 steps of the session fit's config (in its LR warm-up):
     the same losses as the replay fit's first 5 steps, so the weight updates between them were right."""

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from spmd_rfdetr import hosts
 from spmd_rfdetr.config import ConfigError
 
 if TYPE_CHECKING:
@@ -69,22 +70,27 @@ def save(output_dir: str | Path, step: int, state: dict[str, torch.Tensor], meta
     root = Path(output_dir) / CHECKPOINTS
     final = root / f"step_{step:08d}"
     partial = root / f".{final.name}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    if hosts.is_coordinator():
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    hosts.barrier()
     torch_xla.sync()
     started = time.perf_counter()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)), planner=_save_planner())
-    (partial / _META).write_text(json.dumps({**meta, "step": step}, indent=1, default=str))
-    pause = float(os.environ.get(_PAUSE_ENV, 0))
-    if pause:
-        log.warning("pausing %.1f s before publishing %s (%s)", pause, final, _PAUSE_ENV)
-        time.sleep(pause)
-    if final.exists():  # a re-run of the same step (e.g. SIGTERM right after a periodic save)
-        shutil.rmtree(final)
-    os.replace(partial, final)  # the publish: one rename
-    log.info("saved %s (%.1f s)", final, time.perf_counter() - started)
-    for old in sorted(complete(root))[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    hosts.barrier()  # several hosts: every host's shards are written before the coordinator publishes
+    if hosts.is_coordinator():
+        (partial / _META).write_text(json.dumps({**meta, "step": step}, indent=1, default=str))
+        pause = float(os.environ.get(_PAUSE_ENV, 0))
+        if pause:
+            log.warning("pausing %.1f s before publishing %s (%s)", pause, final, _PAUSE_ENV)
+            time.sleep(pause)
+        if final.exists():  # a re-run of the same step (e.g. SIGTERM right after a periodic save)
+            shutil.rmtree(final)
+        os.replace(partial, final)  # the publish: one rename
+        log.info("saved %s (%.1f s)", final, time.perf_counter() - started)
+        for old in sorted(complete(root))[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    hosts.barrier()
     return final
 
 

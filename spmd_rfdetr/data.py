@@ -23,6 +23,7 @@ from rfdetr.datasets import build_dataset, get_coco_api_from_dataset
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from spmd_rfdetr.config import DataOptions
+from spmd_rfdetr.hosts import host_rows
 from spmd_rfdetr.model import UpstreamConfigs
 
 log = logging.getLogger(__name__)
@@ -145,11 +146,15 @@ class TrainBatches(Sampler[list[tuple[int, int]]]):
 
     Epoch ``e`` is a permutation drawn from ``seed`` and ``e`` alone (the last partial batch is dropped), so the
     batches from ``start_step`` on are exactly those a run started at step 0 sees from there: what exact resume needs.
+    ``host`` = ``(index, count)``: on several hosts each yields only its rows of every global batch
+    (:func:`~spmd_rfdetr.hosts.host_rows`).
     """
 
-    def __init__(self, size: int, batch_size: int, seed: int, start_step: int = 0) -> None:
+    def __init__(self, size: int, batch_size: int, seed: int, start_step: int = 0,
+                 host: tuple[int, int] = (0, 1)) -> None:
         self.size, self.batch_size, self.seed, self.start_step = size, batch_size, seed, start_step
         self.steps_per_epoch = size // batch_size
+        self.host = host
 
     def position(self, step: int) -> tuple[int, int]:
         """(epoch, batch within the epoch) of the batch a run uses at 0-based ``step``."""
@@ -160,7 +165,8 @@ class TrainBatches(Sampler[list[tuple[int, int]]]):
         while True:
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
             for b in range(offset, self.steps_per_epoch):
-                yield [(epoch, int(i)) for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
+                keys = [(epoch, int(i)) for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
+                yield host_rows(keys, *self.host)
             epoch, offset = epoch + 1, 0
 
     def __len__(self) -> int:
@@ -197,16 +203,18 @@ class SeededSamples(Dataset):  # type: ignore[type-arg]
 
 
 def make_train_loader(
-    dataset: Dataset[Any], data: DataOptions, resolution: int, *, seed: int = 0, start_step: int = 0
+    dataset: Dataset[Any], data: DataOptions, resolution: int, *, seed: int = 0, start_step: int = 0,
+    host: tuple[int, int] = (0, 1),
 ) -> DataLoader[dict[str, torch.Tensor]]:
     """Endless reproducible static batches of ``data.global_batch_size`` (:class:`TrainBatches`,
-    :class:`SeededSamples`), starting with the batch of the 0-based ``start_step``."""
+    :class:`SeededSamples`), starting with the batch of the 0-based ``start_step``; ``host`` = ``(index, count)``
+    loads only this host's rows of each."""
     if len(dataset) < data.global_batch_size:  # type: ignore[arg-type]
         raise ValueError(
             f"{data.dataset_dir}: the train split has {len(dataset)} images, fewer than "  # type: ignore[arg-type]
             f"data.global_batch_size={data.global_batch_size}"
         )
-    batches = TrainBatches(len(dataset), data.global_batch_size, seed, start_step)  # type: ignore[arg-type]
+    batches = TrainBatches(len(dataset), data.global_batch_size, seed, start_step, host)  # type: ignore[arg-type]
     return DataLoader(SeededSamples(dataset, seed), batch_sampler=batches, num_workers=data.num_workers,
                       collate_fn=StaticCollate(data.max_targets, resolution))
 

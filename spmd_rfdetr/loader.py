@@ -17,6 +17,7 @@ import torch_xla.distributed.spmd as xs
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
+from spmd_rfdetr.hosts import process_count
 from spmd_rfdetr.mesh import BATCH_AXES, batch_shard_count
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ class SPMDDataLoader:
     transfers its batches into a queue of that depth while the consumer computes; an error there is raised in the
     consumer, and the thread stops when the iteration ends, fails or is closed (``break`` then garbage collection,
     or ``.close()``). ``prefetch=0`` loads and transfers in ``next()``. Single host: the wrapped loader yields the
-    GLOBAL batch (multi-host would load per-host slices, ``ShardingSpec(minibatch=True)``).
+    GLOBAL batch; on several hosts each host's loader yields its rows of it (:func:`~spmd_rfdetr.hosts.host_rows`)
+    and torch_xla assembles the global array from the hosts' slices (``ShardingSpec(minibatch=True)``).
 
     ``wait_s`` and ``batches`` count, over every iteration, the seconds the consumer was blocked in ``next()`` waiting
     for a batch and the batches it got. They are properties: Fabric's ``_FabricDataLoader`` copies the instance
@@ -121,17 +123,18 @@ class SPMDDataLoader:
     def _send(self, tensor: Tensor) -> Tensor:
         if tensor.dim() == 0:
             return tensor.as_subclass(Tensor).to(self.device)
-        shards = batch_shard_count(self.mesh)
-        if tensor.shape[0] % shards:
+        shards, hosts = batch_shard_count(self.mesh), process_count()
+        if tensor.shape[0] * hosts % shards:  # several hosts: this is the host's slice of the global batch
             raise ValueError(
-                f"Batch size {tensor.shape[0]} (a tensor of shape {tuple(tensor.shape)}) is not divisible by the "
+                f"Batch size {tensor.shape[0] * hosts} (a tensor of shape {tuple(tensor.shape)}) is not divisible by the "
                 f"mesh's {'x'.join(BATCH_AXES)} axis of size {shards}. Use a batch size that is a multiple of "
                 f"{shards} and drop_last=True (static shapes also avoid recompiles)."
             )
         spec = self._specs.get(tensor.dim())
         if spec is None:
             batch_axis = BATCH_AXES[0] if len(BATCH_AXES) == 1 else BATCH_AXES
-            spec = self._specs[tensor.dim()] = xs.ShardingSpec(self.mesh, (batch_axis,) + (None,) * (tensor.dim() - 1))
+            spec = self._specs[tensor.dim()] = xs.ShardingSpec(
+                self.mesh, (batch_axis,) + (None,) * (tensor.dim() - 1), minibatch=hosts > 1)  # host slices -> global
         # plain CPU tensors only: torch_xla skips Tensor subclasses (e.g. tv_tensors) without a word
         return xm.send_cpu_data_to_device(tensor.cpu().as_subclass(Tensor), self.device, spec)[0]
 

@@ -11,6 +11,7 @@ from types import FrameType
 
 import yaml
 
+from spmd_rfdetr import hosts
 from spmd_rfdetr.checks import check_data
 from spmd_rfdetr.config import RunConfig, resolve_and_check
 from spmd_rfdetr.runtime import PRECISIONS, setup_runtime
@@ -52,6 +53,7 @@ def fit(cfg: RunConfig) -> Path:
     cfgs = upstream_configs(cfg.model, d, cfg.optim, num_classes)
     train_set = data_report.usable(build_split(cfgs, "train"), "train")  # less the images data.on_bad=skip leaves out
     check_overflow(train_set, d, "train")
+    hosts.check_same_on_all_hosts(f"{d.dataset_dir}: the number of usable train images", len(train_set))
     trainer = build_trainer(fabric, cfgs, cfg.optim, t, ema=cfg.model, mesh=cfg.mesh)
     net, step_fn = trainer.model, trainer.step
     resume_from = checkpoint.latest(out) if t.resume == "auto" else t.resume
@@ -62,7 +64,7 @@ def fit(cfg: RunConfig) -> Path:
 
     fabric.strategy.prefetch = d.prefetch
     loader = fabric.setup_dataloaders(make_train_loader(train_set, d, cfgs.model.resolution, seed=t.seed,
-                                                        start_step=start))
+                                                        start_step=start, host=hosts.this_host()))
     spmd_loader = loader._dataloader  # Fabric's wrapper copied the loader's attributes once; its counters live here
 
     resolved = dataclasses.asdict(cfg)
@@ -97,7 +99,8 @@ def fit(cfg: RunConfig) -> Path:
             window_steps += 1
             metrics.after_step(step)
             eval_now = evaluation is not None and evaluation.due(step, t.max_steps)
-            save_now = preemption.requested or (every > 0 and step % every == 0)
+            stop = hosts.any_host(preemption.requested)  # a SIGTERM on one host stops them all at this step
+            save_now = stop or (every > 0 and step % every == 0)
             if step == start + 1 or step % t.log_every == 0 or step == t.max_steps or eval_now or save_now:
                 values = step_fn.read(stats)
                 xm.wait_device_ops()  # replayed steps run asynchronously: let the counters below see every one finish
@@ -129,7 +132,7 @@ def fit(cfg: RunConfig) -> Path:
                 if save_now:
                     saved = save_state(step)
                 metrics.write(record)  # after the save: its own device->host copies are not the next step's
-                if preemption.requested:
+                if stop:
                     metrics.close()
                     print(f"stopped by SIGTERM after step {step}: saved {saved}; continue with --trainer.resume auto",
                           flush=True)

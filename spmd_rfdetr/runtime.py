@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from spmd_rfdetr.config import MeshOptions
+from spmd_rfdetr.hosts import join_hosts
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ def setup_runtime(mesh: MeshOptions, compile_cache_dir: str | None = None) -> st
     cache = _compile_cache(compile_cache_dir)
     if not xr.is_spmd():
         xr.use_spmd()
+    join_hosts()  # several hosts (a pod slice): their gloo group for host-level agreement
     return cache
 
 

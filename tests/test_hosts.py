@@ -1,0 +1,104 @@
+"""Several hosts: host-level agreement over a real 2-process gloo group (functional collectives on CPU tensors), and
+each host's rows of the global batch.
+
+torch_xla 2.9 cannot run one SPMD mesh across processes on the CPU: its PJRT CPU client is created without a
+distributed key-value store (``GetTfrtCpuClient(async, cpu_device_count)`` in ``pjrt_registry.cc``), so every CPU
+process is its own single-process runtime. The global array built from two hosts' slices is therefore checked as far
+as one process allows: the two hosts' rows, in host order, are exactly the one-host batch, and the loader's
+``minibatch`` path gives the same global array as the global path here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from spmd_rfdetr.data import TrainBatches
+
+ROOT = Path(__file__).resolve().parents[1]
+
+HOST = r"""
+import json, os, signal, sys
+import torch.distributed as dist
+rank, count, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=count)
+from spmd_rfdetr import hosts
+from spmd_rfdetr.data import TrainBatches
+from spmd_rfdetr.loop import Preemption
+out = {"host": list(hosts.this_host()), "coordinator": hosts.is_coordinator(), "joined_again": None}
+hosts.join_hosts()  # a group exists: nothing happens
+out["any_on_host_1"] = hosts.any_host(rank == 1)
+out["any_on_none"] = hosts.any_host(False)
+with Preemption() as preemption:  # what fit does every step: a SIGTERM on one host stops all of them
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    out["sigterm_here"] = preemption.requested
+    out["stop"] = hosts.any_host(preemption.requested)
+hosts.check_same_on_all_hosts("train images", 32)
+try:
+    hosts.check_same_on_all_hosts("train images", 32 + rank)
+    out["mismatch"] = None
+except ValueError as error:
+    out["mismatch"] = str(error)
+batches = iter(TrainBatches(32, 8, seed=3, start_step=2, host=(rank, count)))
+out["rows"] = [next(batches) for _ in range(6)]
+hosts.barrier()
+print("RESULT", json.dumps(out))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_hosts_agree_on_stop_and_sizes_and_split_the_global_batch():
+    port, count = free_port(), 2
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    procs = [subprocess.Popen([sys.executable, "-c", HOST, str(rank), str(count), str(port)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(count)]
+    results = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        results.append(json.loads(stdout.split("RESULT", 1)[1]))
+    assert [r["host"] for r in results] == [[0, 2], [1, 2]]
+    assert [r["coordinator"] for r in results] == [True, False]
+    assert [r["any_on_host_1"] for r in results] == [True, True]
+    assert [r["any_on_none"] for r in results] == [False, False]
+    assert [r["sigterm_here"] for r in results] == [False, True]  # the real signal reached host 1 only ...
+    assert [r["stop"] for r in results] == [True, True]  # ... and both stop at the same step
+    for r in results:  # every host raises, naming the value and the range
+        assert "train images differs between the hosts" in r["mismatch"] and "from 32 to 33" in r["mismatch"]
+    one_host = iter(TrainBatches(32, 8, seed=3, start_step=2))
+    for step, (rows0, rows1) in enumerate(zip(results[0]["rows"], results[1]["rows"])):
+        assert len(rows0) == len(rows1) == 4
+        assert [tuple(k) for k in rows0 + rows1] == next(one_host), step  # host order = the global batch's rows
+
+
+def test_the_minibatch_path_builds_the_global_batch_as_the_global_path():
+    """One process: ``ShardingSpec(minibatch=True)`` (what each host's loader uses on several hosts) assembles the
+    same global array, with the same sharding, as the single-host path."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+
+    from spmd_rfdetr.mesh import build_mesh
+
+    mesh = build_mesh()
+    batch = torch.arange(8 * 3 * 2, dtype=torch.float32).reshape(8, 3, 2)
+    device = torch_xla.device()
+    tensors = {}
+    for minibatch in (False, True):
+        spec = xs.ShardingSpec(mesh, ("data", None, None), minibatch=minibatch)
+        tensors[minibatch] = xm.send_cpu_data_to_device(batch, device, spec)[0]
+    spec = torch_xla._XLAC._get_xla_sharding_spec
+    assert spec(tensors[True]) == spec(tensors[False]) and "devices=[4,1,1]" in spec(tensors[False])
+    assert torch.equal(tensors[True].cpu(), batch) and torch.equal(tensors[False].cpu(), batch)

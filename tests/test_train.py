@@ -77,62 +77,66 @@ def upstream_eager_steps(tiny, steps: int, on_xla: bool = False) -> tuple[list[f
     return losses, first_grads
 
 
-#: A child process runs :func:`upstream_eager_steps` on the XLA device: torch_xla's eager mode segfaulted in AdamW's
-#: step inside the session's process (after the lazy and replayed programs of other tests), not in a fresh one.
-UPSTREAM_ON_XLA = """
-import json, sys, types, torch
+#: One child process on the same 4-device mesh runs what misbehaves inside the session's process after its many
+#: programs: :func:`upstream_eager_steps` ``on_xla`` (torch_xla's eager mode segfaulted in AdamW's step there) and our
+#: step with ``trainer.matcher=scipy`` (its traced step, cut by the host solve, segfaulted in a sync there on the CI run).
+XLA_CHILD = """
+import dataclasses, json, sys, types, torch
 import torch_xla.runtime as xr
 xr.use_spmd()
 sys.path.insert(0, sys.argv[2])
+from spmd_rfdetr.build import build_trainer
+from spmd_rfdetr.fabric import spmd_fabric
+from spmd_rfdetr.mesh import build_mesh
 from spmd_rfdetr.model import build_model, upstream_configs
 from test_train import upstream_eager_steps
 saved = torch.load(sys.argv[1], weights_only=False)
-cfgs = upstream_configs(saved["cfg"].model, saved["cfg"].data, saved["cfg"].optim, num_classes=3)
+cfg = saved["cfg"]
+cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, num_classes=3)
 def model():
     net = build_model(cfgs)
     net.load_state_dict(saved["init_state"])
     return net.train()
-tiny = types.SimpleNamespace(cfg=saved["cfg"], cfgs=cfgs, batches=saved["batches"], model=model)
-print("LOSSES", json.dumps(upstream_eager_steps(tiny, int(sys.argv[3]), on_xla=True)[0]))
+tiny = types.SimpleNamespace(cfg=cfg, cfgs=cfgs, batches=saved["batches"], model=model)
+out = {"upstream_on_xla": upstream_eager_steps(tiny, int(sys.argv[3]), on_xla=True)[0]}
+fabric = spmd_fabric(build_mesh(), precision="32-true")
+options = dataclasses.replace(cfg.trainer, matcher="scipy")
+trainer = build_trainer(fabric, cfgs, cfg.optim, options, model=model(), ema=cfg.model)
+to_device = fabric.strategy.process_dataloader(torch.utils.data.DataLoader(saved["batches"], batch_size=None)).to_device
+stats = [trainer.step.read(trainer.step(to_device(b))) for b in saved["batches"][:int(sys.argv[4])]]
+out.update(scipy=[s["loss"] for s in stats], scipy_mode=trainer.step.mode, scipy_stats=sorted(stats[0]))
+print("RESULT", json.dumps(out))
 """
+SCIPY_STEPS = 3
 
 
-def upstream_steps_on_xla_in_a_child(tiny, steps: int, tmp_path) -> list[float]:
-    """:func:`upstream_eager_steps` ``on_xla`` for the tiny model, in a fresh process on the same 4-device mesh."""
+@pytest.fixture(scope="module")
+def xla_child(tiny, tmp_path_factory) -> dict:
+    """:data:`XLA_CHILD`'s results: upstream's step on XLA for PARITY_STEPS steps, ours with the SciPy matcher for
+    SCIPY_STEPS steps, from the tiny model's initial weights on the same batches."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    inputs = tmp_path / "tiny.pt"
-    torch.save({"cfg": tiny.cfg, "init_state": tiny.init_state, "batches": tiny.batches[:steps]}, inputs)
+    inputs = tmp_path_factory.mktemp("xla_child") / "tiny.pt"
+    torch.save({"cfg": tiny.cfg, "init_state": tiny.init_state, "batches": tiny.batches[:PARITY_STEPS]}, inputs)
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
-    child = subprocess.run([sys.executable, "-c", UPSTREAM_ON_XLA, str(inputs), str(tests), str(steps)],
-                           cwd=tests.parent, env=env, capture_output=True, text=True, timeout=1800)
+    child = subprocess.run([sys.executable, "-c", XLA_CHILD, str(inputs), str(tests), str(PARITY_STEPS),
+                            str(SCIPY_STEPS)], cwd=tests.parent, env=env, capture_output=True, text=True, timeout=1800)
     assert child.returncode == 0, child.stderr[-3000:]
-    return json.loads(child.stdout.split("LOSSES", 1)[1])
-
-
-def test_batch_sharded_on_data_axis_params_replicated(tiny, mesh_trainer):
-    batch = mesh_trainer.to_device(tiny.batches[0])
-    assert sharding(batch["images"]) == "{devices=[4,1,1,1]0,1,2,3}"
-    assert sharding(batch["boxes"]) == "{devices=[4,1,1]0,1,2,3}"
-    assert sharding(batch["valid"]) == "{devices=[4,1]0,1,2,3}"
-    assert batch["valid"].dtype == torch.bool
-    for p in mesh_trainer.model.parameters():
-        assert p.device.type == "xla"
-        assert sharding(p) in ("", "{replicated}")
+    return json.loads(child.stdout.split("RESULT", 1)[1])
 
 
 @pytest.mark.slow
-def test_parity_with_upstream_eager_step(tiny, mesh_trainer, tmp_path):
+def test_parity_with_upstream_eager_step(tiny, mesh_trainer, xla_child):
     """Our compiled step on the mesh over PARITY_STEPS steps against upstream rfdetr's own step: on the CPU, step 1's
     loss and gradients, then each step's loss within :func:`parity_tolerance` (why later steps need more: its
     docstring); op by op on the same XLA device with the same (capturable) AdamW, every step's loss to 1e-5."""
     ref_losses, ref_grads = upstream_eager_steps(tiny, PARITY_STEPS)
-    same_device = upstream_steps_on_xla_in_a_child(tiny, PARITY_STEPS, tmp_path)
+    same_device = xla_child["upstream_on_xla"]
     losses = []
     for i in range(PARITY_STEPS):
         stats = mesh_trainer.step.read(mesh_trainer.step(mesh_trainer.to_device(tiny.batches[i % len(tiny.batches)])))
@@ -302,24 +306,22 @@ def test_accumulating_two_micro_batches_equals_one_batch(tiny, mesh_trainer):
 
 
 @pytest.mark.slow
-def test_scipy_matcher_steps_equal_the_device_matchers(tiny, mesh_trainer):
+def test_scipy_matcher_steps_equal_the_device_matchers(tiny, mesh_trainer, xla_child):
     """``trainer.matcher=scipy`` (upstream's host solve: the step is traced every call and cut at the matcher's
-    transfer) against the device matcher, each from the initial weights for 3 steps: the same assignments, so the
-    same losses, within :func:`parity_tolerance` (two programs that round differently)."""
+    transfer; run in :data:`XLA_CHILD`) against the device matcher, each from the initial weights for 3 steps: the same
+    assignments, so the same losses, within :func:`parity_tolerance` (two programs that round differently)."""
     import dataclasses
 
     from spmd_rfdetr.build import build_trainer
 
-    losses, modes = {}, {}
-    for matcher in ("device", "scipy"):
-        options = dataclasses.replace(tiny.cfg.trainer, matcher=matcher)
-        trainer = build_trainer(mesh_trainer.fabric, tiny.cfgs, tiny.cfg.optim, options, model=tiny.model(),
-                                ema=tiny.cfg.model)
-        stats = [trainer.step.read(trainer.step(mesh_trainer.to_device(b))) for b in tiny.batches[:3]]
-        losses[matcher], modes[matcher] = [s["loss"] for s in stats], trainer.step.mode
-        assert ("matcher_unconverged" in stats[0]) is (matcher == "device")
-    assert modes == {"device": "replay", "scipy": "trace"}
-    device, scipy = losses["device"], losses["scipy"]
+    options = dataclasses.replace(tiny.cfg.trainer, matcher="device")
+    trainer = build_trainer(mesh_trainer.fabric, tiny.cfgs, tiny.cfg.optim, options, model=tiny.model(),
+                            ema=tiny.cfg.model)
+    stats = [trainer.step.read(trainer.step(mesh_trainer.to_device(b))) for b in tiny.batches[:SCIPY_STEPS]]
+    device, scipy = [s["loss"] for s in stats], xla_child["scipy"]
+    assert (trainer.step.mode, xla_child["scipy_mode"]) == ("replay", "trace")
+    assert "matcher_unconverged" in stats[0] and "matcher_unconverged" not in xla_child["scipy_stats"]
+    assert len(scipy) == SCIPY_STEPS
     for step, (ours, ref) in enumerate(zip(device, scipy), start=1):
         assert abs(ours - ref) <= parity_tolerance(step) * abs(ref), (step, device, scipy)
     print(f"device matcher {device}, scipy matcher {scipy}")

@@ -185,7 +185,7 @@ class CheckpointOptions:
     every_steps: int = 1000
     """Save the full training state every N steps (and on SIGTERM); 0: only on SIGTERM."""
     keep: int = 2
-    """How many of the newest full checkpoints to keep."""
+    """How many of the newest full checkpoints to keep; 0 keeps every one."""
 
 
 @dataclass
@@ -300,18 +300,18 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
         problems.append(f"data.per_device_batch_size={d.per_device_batch_size} must be >= 1")
     elif device_count is not None and d.per_device_batch_size is not None and batch_shards(cfg, device_count) > 0:
         d.global_batch_size = d.per_device_batch_size * batch_shards(cfg, device_count)
-    if d.global_batch_size < 1:
-        problems.append(f"data.global_batch_size={d.global_batch_size} must be >= 1")
-    if d.max_targets < 1:
-        problems.append(f"data.max_targets={d.max_targets} must be >= 1")
-    if t.max_steps < 1:
-        problems.append(f"trainer.max_steps={t.max_steps} must be >= 1")
-    if t.log_every < 1:
-        problems.append(f"trainer.log_every={t.log_every} must be >= 1")
-    if o.accumulate < 1:
-        problems.append(f"optim.accumulate={o.accumulate} must be >= 1 (1: no accumulation)")
-    if o.warmup_steps < 0:
-        problems.append(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    c = cfg.checkpointing
+    lower_bounds = [  # (field, value, smallest allowed value, what a value at the bound means)
+        ("data.global_batch_size", d.global_batch_size, 1, ""),
+        ("data.max_targets", d.max_targets, 1, ""),
+        ("trainer.max_steps", t.max_steps, 1, ""),
+        ("trainer.log_every", t.log_every, 1, ""),
+        ("optim.accumulate", o.accumulate, 1, " (1: no accumulation)"),
+        ("optim.warmup_steps", o.warmup_steps, 0, ""),
+        ("checkpointing.every_steps", c.every_steps, 0, " (0: a checkpoint only on SIGTERM)"),
+        ("checkpointing.keep", c.keep, 0, " (0: keep every checkpoint)"),
+    ]
+    problems += [f"{name}={value} must be >= {low}{meaning}" for name, value, low, meaning in lower_bounds if value < low]
     problems += _model_problems(cfg)
     if d.multi_scale:
         problems.append(

@@ -189,12 +189,14 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
 
 
 def save_weights(path: str | Path, weights: torch.nn.Module, meta: dict[str, Any]) -> Path:
-    """Write a plain ``torch.load`` weight file (CPU tensors) via a temporary name, then publish it."""
+    """Write a plain ``torch.load`` weight file (CPU tensors) via a temporary name, then publish it (host 0 only)."""
     import torch_xla
 
     torch_xla.sync()
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial")
-    torch.save({"model": {k: v.cpu() for k, v in weights.state_dict().items()}, **meta}, partial)
-    os.replace(partial, path)
+    state = {k: v.cpu() for k, v in weights.state_dict().items()}  # on every host: any gather runs everywhere
+    if hosts.is_coordinator():
+        torch.save({"model": state, **meta}, partial)
+        os.replace(partial, path)
     return path

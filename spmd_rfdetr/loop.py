@@ -69,7 +69,8 @@ def fit(cfg: RunConfig) -> Path:
 
     resolved = dataclasses.asdict(cfg)
     resolved["model"]["num_classes"] = num_classes
-    (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    if hosts.is_coordinator():
+        (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     names = class_names(train_set, num_classes)
 
     def save_weights(path: Path, step: int) -> Path:
@@ -79,7 +80,9 @@ def fit(cfg: RunConfig) -> Path:
             meta["ema"] = {"decay": trainer.ema.decay, "tau": trainer.ema.tau, "updates": step}
         return checkpoint.save_weights(path, trainer.inference_model, meta)
 
-    metrics = MetricsLog(out, t.max_steps, t.progress_bar, start_step=start, loggers=build_loggers(t.loggers, out))
+    coordinator = hosts.is_coordinator()  # several hosts: host 0 writes the shared files
+    metrics = MetricsLog(out, t.max_steps, t.progress_bar, start_step=start, writes_file=coordinator,
+                         loggers=build_loggers(t.loggers, out) if coordinator else [])
     evaluation = fit_evaluation(cfg, cfgs, trainer.inference_model, fabric)  # None if off
     if evaluation is not None:
         evaluation.best_map = meta.get("best_map", evaluation.best_map)

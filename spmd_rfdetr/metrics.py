@@ -51,11 +51,13 @@ class MetricsLog:
 
     def __init__(
         self, output_dir: str | Path, max_steps: int, progress_bar: bool | None = None, warmup_steps: int = 2,
-        *, start_step: int = 0, loggers: Sequence[Any] = (),
+        *, start_step: int = 0, loggers: Sequence[Any] = (), writes_file: bool = True,
     ) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
+        self.writes_file = writes_file  # several hosts: only the coordinator writes the file
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._keep_until(start_step)
+        if writes_file:
+            self._keep_until(start_step)
         self.max_steps = max_steps
         self.warmup_steps = start_step + warmup_steps
         self.loggers = list(loggers)
@@ -95,8 +97,9 @@ class MetricsLog:
         new_compiles = counters["xla_compiles"] - self._compiles_at_last_record
         self._compiles_at_last_record = counters["xla_compiles"]
         record = {**record, **counters, "xla_new_compiles": new_compiles, "time": time.time()}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.writes_file:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
         numeric = {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
         for logger in self.loggers:
             logger.log_metrics(numeric, step=record["step"])

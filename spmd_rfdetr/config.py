@@ -70,8 +70,14 @@ class DataOptions:
     the main thread (``compile_backend: openxla`` compiles draw from it): for bit-reproducible batches there, use
     worker processes or 0 here."""
     multi_scale: bool = False
-    """Upstream multi-scale augmentation: refused for now (every batch must have one shape; multi-scale buckets do
-    not exist yet, and each new shape would compile a new XLA program)."""
+    """rfdetr's per-batch multi-scale training (its default mode): the train split is read at the largest scale and
+    every batch is resized to one scale drawn per step as rfdetr draws it (``random.Random(step).choice(scales)``).
+    Each scale is a bucket with its own compiled training graph, compiled when the bucket is first used (the steps are
+    known in advance and logged). Evaluation stays at ``model.resolution``."""
+    scales: list[int] | None = None
+    """With ``multi_scale``: the buckets, some of rfdetr's scales for the model (``rfdetr.datasets.coco.
+    compute_multi_scale_scales`` with its default ``expanded_scales``: up to 11 sizes around the resolution); default
+    all of them. Fewer buckets, fewer compiles."""
     on_bad: Literal["error", "skip"] = "error"
     """What the data check (``check-data``, and the start of ``fit``/``validate``/``predict``) does with problems
     that can be skipped without guessing: unreadable or missing train images, and boxes of zero/negative size or
@@ -313,12 +319,7 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
     ]
     problems += [f"{name}={value} must be >= {low}{meaning}" for name, value, low, meaning in lower_bounds if value < low]
     problems += _model_problems(cfg)
-    if d.multi_scale:
-        problems.append(
-            "data.multi_scale=true is not supported yet: rfdetr's multi-scale augmentation gives batches other image "
-            "sizes, every size compiles another XLA program, and static batches need one resolution (multi-scale "
-            "buckets do not exist yet). Set data.multi_scale=false"
-        )
+    problems += _scale_problems(cfg)
     mesh_ok = cfg.mesh.data == -1 or cfg.mesh.data >= 1
     if not mesh_ok:
         problems.append(f"mesh.data={cfg.mesh.data} must be >= 1, or -1 for every device")
@@ -375,6 +376,38 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
             )
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def upstream_scales(model: ModelOptions) -> list[int]:
+    """rfdetr's per-batch multi-scale sizes for the model: its ``compute_multi_scale_scales`` with its training
+    default ``expanded_scales`` (the list its dataset builder reads images at the largest of)."""
+    import rfdetr.config
+    from rfdetr.datasets.coco import compute_multi_scale_scales
+
+    defaults = variant_defaults(model.variant)
+    resolution = model.resolution if model.resolution is not None else defaults["resolution"]
+    expanded = rfdetr.config.TrainConfig.model_fields["expanded_scales"].default
+    return compute_multi_scale_scales(resolution, expanded, defaults["patch_size"], defaults["num_windows"])
+
+
+def multi_scale_buckets(cfg: RunConfig) -> list[int]:
+    """The training image sizes: ``data.scales`` (or all of rfdetr's) with ``data.multi_scale``, else none."""
+    if not cfg.data.multi_scale:
+        return []
+    return sorted(cfg.data.scales) if cfg.data.scales else upstream_scales(cfg.model)
+
+
+def _scale_problems(cfg: RunConfig) -> list[str]:
+    d = cfg.data
+    if d.scales is None:
+        return []
+    if not d.multi_scale:
+        return [f"data.scales={d.scales} needs data.multi_scale=true (it lists the multi-scale buckets)"]
+    allowed = upstream_scales(cfg.model)
+    wrong = sorted(set(d.scales) - set(allowed))
+    if wrong or not d.scales:
+        return [f"data.scales={d.scales}: use some of rfdetr's scales for this model, {allowed}"]
+    return []
 
 
 def _model_problems(cfg: RunConfig) -> list[str]:

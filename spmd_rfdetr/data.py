@@ -116,19 +116,32 @@ def pad_target(target: dict[str, torch.Tensor], max_targets: int) -> tuple[torch
 
 
 class StaticCollate:
-    """Collate rfdetr samples into one fixed-shape batch dict (picklable, for DataLoader workers)."""
+    """Collate rfdetr samples into one fixed-shape batch dict (picklable, for DataLoader workers).
+
+    Samples of a multi-scale batch carry the batch's size (``(image, target, size)``): the stacked images are then
+    resized to it as rfdetr's per-batch multi-scale does (bilinear, on the collated batch; boxes are normalised, so
+    they stay)."""
 
     def __init__(self, max_targets: int, resolution: int) -> None:
         self.max_targets = max_targets
         self.resolution = resolution
 
-    def __call__(self, samples: Sequence[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    def __call__(self, samples: Sequence[tuple[Any, ...]]) -> dict[str, torch.Tensor]:
+        size = samples[0][2] if len(samples[0]) == 3 else None
+        batch = self._collate([sample[:2] for sample in samples])
+        if size is not None and size != self.resolution:
+            batch["images"] = torch.nn.functional.interpolate(batch["images"], size=size, mode="bilinear",
+                                                              align_corners=False)
+        return batch
+
+    def _collate(self, samples: Sequence[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
         expected = (3, self.resolution, self.resolution)
         for image, target in samples:
             if tuple(image.shape) != expected:
                 raise ValueError(
                     f"image_id {int(target['image_id'])}: transformed to {tuple(image.shape)}, expected {expected}; "
-                    "static batches need one resolution (data.multi_scale=false)"
+                    "static batches need one resolution (with data.multi_scale the train split reads images at the "
+                    "largest scale and each batch is resized to its bucket)"
                 )
         padded = [pad_target(t, self.max_targets) for _, t in samples]
         return {
@@ -147,14 +160,15 @@ class TrainBatches(Sampler[list[tuple[int, int]]]):
     Epoch ``e`` is a permutation drawn from ``seed`` and ``e`` alone (the last partial batch is dropped), so the
     batches from ``start_step`` on are exactly those a run started at step 0 sees from there: what exact resume needs.
     ``host`` = ``(index, count)``: on several hosts each yields only its rows of every global batch
-    (:func:`~spmd_rfdetr.hosts.host_rows`).
+    (:func:`~spmd_rfdetr.hosts.host_rows`). With ``scales`` (multi-scale buckets) each key also names the size its
+    batch is resized to, :func:`batch_scale` of the step.
     """
 
     def __init__(self, size: int, batch_size: int, seed: int, start_step: int = 0,
-                 host: tuple[int, int] = (0, 1)) -> None:
+                 host: tuple[int, int] = (0, 1), scales: Sequence[int] = ()) -> None:
         self.size, self.batch_size, self.seed, self.start_step = size, batch_size, seed, start_step
         self.steps_per_epoch = size // batch_size
-        self.host = host
+        self.host, self.scales = host, list(scales)
 
     def position(self, step: int) -> tuple[int, int]:
         """(epoch, batch within the epoch) of the batch a run uses at 0-based ``step``."""
@@ -162,15 +176,37 @@ class TrainBatches(Sampler[list[tuple[int, int]]]):
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         epoch, offset = self.position(self.start_step)
+        step = self.start_step
         while True:
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
             for b in range(offset, self.steps_per_epoch):
                 keys = [(epoch, int(i)) for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
+                if self.scales:
+                    size = batch_scale(self.scales, step)
+                    keys = [(*key, size) for key in keys]
                 yield host_rows(keys, *self.host)
+                step += 1
             epoch, offset = epoch + 1, 0
 
     def __len__(self) -> int:
         return self.steps_per_epoch
+
+
+def batch_scale(scales: Sequence[int], step: int) -> int:
+    """The image size of the batch of 0-based ``step``: rfdetr's per-batch draw, ``random.Random(step).choice``
+    (its ``on_train_batch_start`` with the global step), so a run here sees upstream's sizes step for step."""
+    return random.Random(step).choice(list(scales))
+
+
+def first_uses(scales: Sequence[int], start_step: int, max_steps: int) -> dict[int, int]:
+    """``{size: the first 1-based step after start_step whose batch has that size}``: the steps that compile a bucket's
+    training graph (sizes never drawn before ``max_steps`` are left out)."""
+    first: dict[int, int] = {}
+    for step in range(start_step, max_steps):
+        first.setdefault(batch_scale(scales, step), step + 1)
+        if len(first) == len(set(scales)):
+            break
+    return first
 
 
 class SeededSamples(Dataset):  # type: ignore[type-arg]
@@ -187,7 +223,10 @@ class SeededSamples(Dataset):  # type: ignore[type-arg]
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, key: tuple[int, int]) -> Any:
+    def __getitem__(self, key: tuple[int, ...]) -> Any:
+        """``dataset[index]`` for ``(epoch, index)``; for ``(epoch, index, size)`` the sample plus that batch size."""
+        if len(key) == 3:
+            return (*self[key[:2]], key[2])
         epoch, index = key
         sample_seed = hash((self.seed, epoch, index)) & 0xFFFF_FFFF  # ints hash to themselves: stable across runs
         py_state, np_state = random.getstate(), np.random.get_state()
@@ -204,17 +243,18 @@ class SeededSamples(Dataset):  # type: ignore[type-arg]
 
 def make_train_loader(
     dataset: Dataset[Any], data: DataOptions, resolution: int, *, seed: int = 0, start_step: int = 0,
-    host: tuple[int, int] = (0, 1),
+    host: tuple[int, int] = (0, 1), scales: Sequence[int] = (),
 ) -> DataLoader[dict[str, torch.Tensor]]:
     """Endless reproducible static batches of ``data.global_batch_size`` (:class:`TrainBatches`,
     :class:`SeededSamples`), starting with the batch of the 0-based ``start_step``; ``host`` = ``(index, count)``
-    loads only this host's rows of each."""
+    loads only this host's rows of each; ``scales``: multi-scale buckets (``resolution`` is then the largest, the size
+    the train split reads images at)."""
     if len(dataset) < data.global_batch_size:  # type: ignore[arg-type]
         raise ValueError(
             f"{data.dataset_dir}: the train split has {len(dataset)} images, fewer than "  # type: ignore[arg-type]
             f"data.global_batch_size={data.global_batch_size}"
         )
-    batches = TrainBatches(len(dataset), data.global_batch_size, seed, start_step, host)  # type: ignore[arg-type]
+    batches = TrainBatches(len(dataset), data.global_batch_size, seed, start_step, host, scales)  # type: ignore[arg-type]
     return DataLoader(SeededSamples(dataset, seed), batch_sampler=batches, num_workers=data.num_workers,
                       collate_fn=StaticCollate(data.max_targets, resolution))
 

@@ -13,7 +13,7 @@ import yaml
 
 from spmd_rfdetr import hosts
 from spmd_rfdetr.checks import check_data
-from spmd_rfdetr.config import RunConfig, resolve_and_check
+from spmd_rfdetr.config import RunConfig, multi_scale_buckets, resolve_and_check, upstream_scales
 from spmd_rfdetr.runtime import PRECISIONS, setup_runtime
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ def fit(cfg: RunConfig) -> Path:
 
     from spmd_rfdetr import checkpoint
     from spmd_rfdetr.build import build_trainer
-    from spmd_rfdetr.data import build_split, check_overflow, class_names, make_train_loader, num_classes_in
+    from spmd_rfdetr.data import build_split, check_overflow, class_names, first_uses, make_train_loader, num_classes_in
     from spmd_rfdetr.evaluate import fit_evaluation
     from spmd_rfdetr.fabric import spmd_fabric
     from spmd_rfdetr.mesh import build_mesh
@@ -62,9 +62,16 @@ def fit(cfg: RunConfig) -> Path:
     if resume_from:
         log.info("resumed from %s at step %d", resume_from, start)
 
+    buckets, warmup = multi_scale_buckets(cfg), 2  # warm-up: the steps that may compile (replay checks at step 2)
+    if buckets:
+        first = first_uses(buckets, start, t.max_steps)
+        warmup = max(2, max(first.values()) - start + 1)
+        log.info("multi-scale: buckets %s; each compiles its training graph at its first step: %s", buckets,
+                 ", ".join(f"{size} at step {step}" for size, step in sorted(first.items(), key=lambda kv: kv[1])))
+    read_at = max(upstream_scales(cfg.model)) if buckets else cfgs.model.resolution  # the train split's image size
     fabric.strategy.prefetch = d.prefetch
-    loader = fabric.setup_dataloaders(make_train_loader(train_set, d, cfgs.model.resolution, seed=t.seed,
-                                                        start_step=start, host=hosts.this_host()))
+    loader = fabric.setup_dataloaders(make_train_loader(train_set, d, read_at, seed=t.seed, start_step=start,
+                                                        host=hosts.this_host(), scales=buckets))
     spmd_loader = loader._dataloader  # Fabric's wrapper copied the loader's attributes once; its counters live here
 
     resolved = dataclasses.asdict(cfg)
@@ -81,7 +88,7 @@ def fit(cfg: RunConfig) -> Path:
         return checkpoint.save_weights(path, trainer.inference_model, meta)
 
     coordinator = hosts.is_coordinator()  # several hosts: host 0 writes the shared files
-    metrics = MetricsLog(out, t.max_steps, t.progress_bar, start_step=start, writes_file=coordinator,
+    metrics = MetricsLog(out, t.max_steps, t.progress_bar, warmup, start_step=start, writes_file=coordinator,
                          loggers=build_loggers(t.loggers, out) if coordinator else [])
     evaluation = fit_evaluation(cfg, cfgs, trainer.inference_model, fabric)  # None if off
     if evaluation is not None:

@@ -24,6 +24,7 @@ from rfdetr.models.weights import load_pretrain_weights
 from rfdetr.training.param_groups import get_param_dict
 
 from spmd_rfdetr.config import VARIANT_CONFIGS, DataOptions, ModelOptions, OptimOptions
+from spmd_rfdetr import xla_safe
 
 #: rfdetr's model config class per ``model.variant`` (names in :data:`spmd_rfdetr.config.VARIANT_CONFIGS`).
 VARIANTS: dict[str, type[rfdetr_config.ModelConfig]] = {
@@ -86,6 +87,7 @@ def build_model(cfgs: UpstreamConfigs) -> LWDETR:
     group, position embeddings interpolated. A published name (``rf-detr-nano.pth`` ...) not on disk is downloaded by
     rfdetr into its cache (``$RF_HOME``, default ``~/.roboflow/models``).
     """
+    xla_safe.install()  # on an XLA device, the position table's resize for other image sizes (multi-scale)
     net = build_model_from_config(cfgs.model, cfgs.train)
     if cfgs.model.pretrain_weights is not None:
         path = str(cfgs.model.pretrain_weights)

@@ -105,6 +105,10 @@ class Replayer:
             inputs = program.inputs(batch)
         return self._run(program, inputs)
 
+    def seen(self, batch: dict[str, torch.Tensor]) -> bool:
+        """Whether a program for this batch's signature exists."""
+        return signature(batch) in self.programs
+
     def check(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, str]:
         """Trace this step again instead of replaying it; returns (result, problem), where ``problem`` says how the
         graph or one of its constants differs from the first trace's ('' if not: a per-step Python value was baked

@@ -1,9 +1,10 @@
 """The training step: forward, rfdetr's set criterion, backward, clipping and AdamW, compiled as one XLA program.
 
 Two ways to run it (``trainer.step_mode``):
-- ``replay`` (default): the step's Python is traced once, then its compiled program is replayed every step
-  (:mod:`spmd_rfdetr.replay`), so the host does almost nothing per step. The second step is traced once more and
-  compared with the first; a difference (a per-step Python value baked into the graph) falls back to ``trace``.
+- ``replay`` (default): the step's Python is traced once per batch signature (one, or one per multi-scale bucket),
+  then its compiled program is replayed every step (:mod:`spmd_rfdetr.replay`), so the host does almost nothing per
+  step. The first step that repeats a signature (step 2 with one) is traced once more and compared with that
+  signature's first trace; a difference (a per-step Python value baked into the graph) falls back to ``trace``.
 - ``trace``: ``torch_xla.compile`` (lazy tracing) re-runs the step's Python every step and finds the program in the
   compilation cache.
 In both, execution is disallowed while tracing, so a stray host sync (an ``.item()``, a CPU fallback) raises instead
@@ -32,8 +33,6 @@ from spmd_rfdetr.replay import Replayer, ReplayUnsafe, replicate_unannotated
 log = logging.getLogger(__name__)
 
 StepMode = Literal["replay", "trace", "openxla"]
-#: The call whose trace is compared with the first one (see :meth:`Replayer.check`).
-CHECK_CALL = 2
 
 
 def as_samples(images: torch.Tensor) -> NestedTensor:
@@ -127,6 +126,7 @@ class TrainStep:
         self.mode: StepMode = mode if full_graph else "trace"
         self.fallback_reason = ""  # why replay was given up for this run ('' if it was not)
         self.calls = 0
+        self._checked = False  # the first repeat of a batch signature is traced again and compared (Replayer.check)
         self._lazy_traces = 0  # calls run by lazy tracing (trace mode, or after a fallback)
         device = next(model.parameters()).device
         self.steps_done = torch.zeros((), dtype=torch.float32, device=device)
@@ -240,8 +240,9 @@ class TrainStep:
         if self.mode == "trace":
             return self._trace(batch)
         try:
-            if self.calls != CHECK_CALL:
+            if self._checked or not self._replayer.seen(batch):
                 return self._replayer(batch)
+            self._checked = True
             stats, problem = self._replayer.check(batch)
         except ReplayUnsafe as error:  # refused at trace time: this step's lazy trace is still pending
             self._fall_back(str(error))

@@ -202,13 +202,13 @@ def test_base_variant_default_resolution_passes() -> None:
 
 
 def test_config_problems_are_listed_together() -> None:
-    cfg = RunConfig(data=DataOptions(max_targets=301, multi_scale=True))
+    cfg = RunConfig(data=DataOptions(max_targets=301, multi_scale=True, scales=[384, 400]))
     cfg.mesh.data = 0
     with pytest.raises(ConfigError) as error:
         resolve_and_check(cfg, device_count=4)
     message = str(error.value)
     assert "data.max_targets=301 is more than the 300 queries per group (model.variant=nano's num_queries)" in message
-    assert "data.multi_scale=true is not supported yet" in message
+    assert "data.scales=[384, 400]: use some of rfdetr's scales for this model, [" in message
     assert "mesh.data=0 must be >= 1, or -1 for every device" in message
     explicit = RunConfig(model=ModelOptions(num_queries=30), data=DataOptions(max_targets=31))
     with pytest.raises(ConfigError, match=r"the 30 queries per group \(model.num_queries\)"):

@@ -76,13 +76,13 @@ def test_help_documents_every_option() -> None:
 def test_bad_config_is_one_clear_error_before_anything_runs(tmp_path: Path) -> None:
     """Every config problem in one message, exit status 2, no traceback, nothing written (the data is not read)."""
     result = run_cli("fit", "--config", "configs/cpu.yaml", "--data.global_batch_size", "6",
-                     "--data.max_targets", "31", "--data.multi_scale", "true", "--model.resolution", "100",
+                     "--data.max_targets", "31", "--data.scales", "[96]", "--model.resolution", "100",
                      "--data.dataset_dir", str(tmp_path / "no-data"), "--trainer.output_dir", str(tmp_path / "out"),
                      timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
     for problem in ("data.global_batch_size=6 does not divide by the data axis (4 devices)",
                     "data.max_targets=31 is more than the 30 queries per group (model.num_queries)",
-                    "data.multi_scale=true is not supported yet",
+                    "data.scales=[96] needs data.multi_scale=true",
                     "model.resolution=100 must be a multiple of 32 for model.variant=nano"):
         assert problem in result.stderr, problem
     assert "Traceback" not in result.stderr

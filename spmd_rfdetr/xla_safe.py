@@ -27,11 +27,13 @@ def install() -> None:
     if getattr(original, "_spmd_rfdetr", False):
         return
 
-    # disabled for dynamo as upstream's method is. Not functools.wraps: it would copy the original's dynamo attributes,
-    # and torch.compiler.disable would then unwrap straight to the original
-    @torch.compiler.disable
     def interpolate_pos_encoding(self: Any, embeddings: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        if self.position_embeddings.device.type != "xla":
+        table = self.position_embeddings
+        if table.device.type != "xla":
+            return original(self, embeddings, height, width)
+        if embeddings.shape[1] == table.shape[1] and height == width:
+            return table  # upstream's own first case (no resize): also what dynamo traces in the openxla eval forward
+        if torch.compiler.is_compiling():
             return original(self, embeddings, height, width)
         with _antialiased_bicubic_as_matmul():
             return original(self, embeddings, height, width)

@@ -21,6 +21,7 @@ import torch_xla.distributed.spmd as xs
 import yaml
 
 from conftest import fit_config
+from test_train import parity_tolerance
 from spmd_rfdetr.openxla_fix import apply_bridge_fix
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +76,9 @@ def test_openxla_training_is_wrong_without_the_fix_and_exact_with_it(mesh_traine
 @pytest.mark.slow
 def test_fit_trains_with_openxla_as_with_replay(tiny, synth_dir, fit_run, tmp_path):
     """The CLI's `fit` with compile_backend=openxla, 5 steps of the session fit's config (in its LR warm-up):
-    the same losses as the replay fit's first 5 steps, so the weight updates between them were right."""
+    the replay fit's losses within :func:`~test_train.parity_tolerance` (1e-5 at step 1, 1e-4 at step 2: the weight
+    updates were right; from step 3 the two programs, which round differently, may rank near-tied proposals
+    differently: measured 6.2e-5 at step 5 on a CI run)."""
     cfg = fit_config(tiny, synth_dir, tmp_path, "replay")
     cfg.trainer.compile_backend, cfg.trainer.max_steps = "openxla", OPENXLA_STEPS
     cfg.eval.every_steps = 0
@@ -93,6 +96,6 @@ def test_fit_trains_with_openxla_as_with_replay(tiny, synth_dir, fit_run, tmp_pa
     assert [r["step"] for r in ours] == list(range(1, OPENXLA_STEPS + 1))
     assert {r["step_mode"] for r in ours} == {"openxla"}
     for a, b in zip(ours, ref):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a["step"], a["loss"], b["loss"])
+        assert abs(a["loss"] - b["loss"]) <= parity_tolerance(a["step"]) * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
     graphs = (ours[-1]["xla_executions"] - ours[1]["xla_executions"]) / (OPENXLA_STEPS - 2)
     print(f"openxla fit: losses {[r['loss'] for r in ours]}; {graphs:.1f} graph executions per step")

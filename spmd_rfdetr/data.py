@@ -176,16 +176,14 @@ class TrainBatches(Sampler[list[tuple[int, int]]]):
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         epoch, offset = self.position(self.start_step)
-        step = self.start_step
         while True:
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
             for b in range(offset, self.steps_per_epoch):
                 keys = [(epoch, int(i)) for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
                 if self.scales:
-                    size = batch_scale(self.scales, step)
+                    size = batch_scale(self.scales, epoch * self.steps_per_epoch + b)  # this batch's 0-based step
                     keys = [(*key, size) for key in keys]
                 yield host_rows(keys, *self.host)
-                step += 1
             epoch, offset = epoch + 1, 0
 
     def __len__(self) -> int:

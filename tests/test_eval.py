@@ -166,12 +166,7 @@ def test_validate_and_predict_cli_match_eval(fit_run, synth_dir, tmp_path):
               json.loads((Path(synth_dir) / "valid" / "_annotations.coco.json").read_text())["images"]}
     assert sorted(listed.values()) == names
     for image_id, name in listed.items():
-        ours = [(d["category_id"], d["score"], d["bbox"]) for d in predictions if d["image_id"] == image_id]
-        theirs = [(d["category_id"], d["score"], d["bbox"]) for d in eval_detections
-                  if d["image_id"] == gt_ids[name]]
-        assert len(ours) == len(theirs) > 0, name
-        for (c1, s1, b1), (c2, s2, b2) in zip(ours, theirs):
-            assert c1 == c2 and abs(s1 - s2) < 1e-5 and np.allclose(b1, b2, atol=1e-3), (name, b1, b2)
+        assert_same_detections(predictions, image_id, eval_detections, gt_ids[name], name)
 
     # the whole valid split folder, its annotation file giving ids unlike the sorted positions: predictions carry the
     # file's ids, and each image's detections are the eval's for that file
@@ -184,12 +179,16 @@ def test_validate_and_predict_cli_match_eval(fit_run, synth_dir, tmp_path):
     assert {im["file_name"]: im["id"] for im in json.loads((tmp_path / "split.images.json").read_text())} == ids
     assert {d["image_id"] for d in predictions} == set(ids.values())
     for name, image_id in ids.items():
-        ours = [(d["category_id"], d["score"], d["bbox"]) for d in predictions if d["image_id"] == image_id]
-        theirs = [(d["category_id"], d["score"], d["bbox"]) for d in eval_detections
-                  if d["image_id"] == gt_ids[name]]
-        assert len(ours) == len(theirs) > 0, name
-        for (c1, s1, b1), (c2, s2, b2) in zip(ours, theirs):
-            assert c1 == c2 and abs(s1 - s2) < 1e-5 and np.allclose(b1, b2, atol=1e-3), (name, b1, b2)
+        assert_same_detections(predictions, image_id, eval_detections, gt_ids[name], name)
+
+
+def assert_same_detections(predictions: list, image_id: int, eval_detections: list, eval_id: int, name: str) -> None:
+    """``predict``'s detections of one image (its id there) equal the eval's of the same file (its id there)."""
+    ours = [(d["category_id"], d["score"], d["bbox"]) for d in predictions if d["image_id"] == image_id]
+    theirs = [(d["category_id"], d["score"], d["bbox"]) for d in eval_detections if d["image_id"] == eval_id]
+    assert len(ours) == len(theirs) > 0, name
+    for (c1, s1, b1), (c2, s2, b2) in zip(ours, theirs):
+        assert c1 == c2 and abs(s1 - s2) < 1e-5 and np.allclose(b1, b2, atol=1e-3), (name, b1, b2)
 
 
 def test_fit_evaluates_every_n_steps_and_keeps_best(fit_run):

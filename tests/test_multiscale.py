@@ -11,7 +11,7 @@ import types
 import pytest
 
 from spmd_rfdetr.config import DataOptions, RunConfig, multi_scale_buckets, upstream_scales
-from spmd_rfdetr.data import batch_scale, build_split, first_uses, make_train_loader
+from spmd_rfdetr.data import TrainBatches, batch_scale, build_split, first_uses, make_train_loader
 from spmd_rfdetr.metrics import xla_counters
 from spmd_rfdetr.model import upstream_configs
 from test_train import parity_tolerance, upstream_eager_steps
@@ -27,6 +27,10 @@ def test_each_step_draws_upstreams_scale_and_the_first_uses_are_known():
     sizes = [batch_scale(BUCKETS, step) for step in range(200)]
     assert sizes == [random.Random(step).choice(BUCKETS) for step in range(200)]  # rfdetr's on_train_batch_start
     assert set(sizes) == set(BUCKETS)
+    for start in (0, 3, 9):  # the sampler's sizes across epochs (5 batches each) and after a resume
+        batches = iter(TrainBatches(20, 4, seed=1, start_step=start, scales=BUCKETS))
+        for step in range(start, start + 12):
+            assert {key[2] for key in next(batches)} == {sizes[step]}, (start, step)
     first = first_uses(BUCKETS, 0, 200)
     assert first == {size: sizes.index(size) + 1 for size in BUCKETS}
     assert first_uses(BUCKETS, 5, 200) == {size: sizes.index(size, 5) + 1 for size in BUCKETS}  # after a resume

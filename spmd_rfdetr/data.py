@@ -154,6 +154,14 @@ class StaticCollate:
         }
 
 
+def blank_batch(rows: int, size: int, max_targets: int) -> dict[str, torch.Tensor]:
+    """A host batch of zeros shaped as the train loader's batches of ``rows`` images at ``size`` (collated by
+    :class:`StaticCollate` itself, so keys, shapes and dtypes match): compiling a bucket's program needs only that."""
+    target = {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64),
+              "image_id": torch.zeros((), dtype=torch.int64), "orig_size": torch.tensor([size, size])}
+    return StaticCollate(max_targets, size)([(torch.zeros(3, size, size), target)] * rows)
+
+
 class TrainBatches(Sampler[list[tuple[int, int]]]):
     """Endless shuffled training batches, each a list of ``(epoch, index)``: a pure function of the seed and the step.
 

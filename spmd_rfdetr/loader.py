@@ -113,11 +113,15 @@ class SPMDDataLoader:
         return batch if batch is _END else self.to_device(batch)
 
     def to_device(self, batch: Any) -> Any:
-        """Move one CPU batch to the mesh, every tensor sharded on dim 0."""
+        """Move one loaded CPU batch to the mesh, every tensor sharded on dim 0 (counted: see ``NAN_BATCH_ENV``)."""
         self._loaded += 1
         if self._loaded == self._nan_batch and isinstance(batch, dict) and "images" in batch:
             log.warning("%s=%d: this batch's images are NaN (fault injection)", NAN_BATCH_ENV, self._nan_batch)
             batch = {**batch, "images": torch.full_like(batch["images"], float("nan"))}
+        return self.place(batch)
+
+    def place(self, batch: Any) -> Any:
+        """Move any CPU batch to the mesh as the loaded ones go (e.g. a blank batch to compile a program with)."""
         return apply_to_collection(batch, Tensor, self._send)
 
     def _send(self, tensor: Tensor) -> Tensor:

@@ -8,6 +8,7 @@ import signal
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Any, Callable
 
 import yaml
 
@@ -35,7 +36,7 @@ def fit(cfg: RunConfig) -> Path:
 
     from spmd_rfdetr import checkpoint
     from spmd_rfdetr.build import build_trainer
-    from spmd_rfdetr.data import build_split, check_overflow, class_names, first_uses, make_train_loader, num_classes_in
+    from spmd_rfdetr.data import blank_batch, build_split, check_overflow, class_names, first_uses, make_train_loader, num_classes_in
     from spmd_rfdetr.evaluate import fit_evaluation
     from spmd_rfdetr.fabric import spmd_fabric
     from spmd_rfdetr.mesh import build_mesh
@@ -63,7 +64,7 @@ def fit(cfg: RunConfig) -> Path:
         log.info("resumed from %s at step %d", resume_from, start)
 
     buckets, warmup = multi_scale_buckets(cfg), 2  # warm-up: the steps that may compile (replay checks at step 2)
-    if buckets:
+    if buckets and step_fn.mode != "replay":
         first = first_uses(buckets, start, t.max_steps)
         warmup = max(2, max(first.values()) - start + 1)
         log.info("multi-scale: buckets %s; each compiles its training graph at its first step: %s", buckets,
@@ -101,6 +102,9 @@ def fit(cfg: RunConfig) -> Path:
         state = checkpoint.training_state(trainer)
         return checkpoint.save(out, step, state, {"best_map": best, "config": resolved}, cfg.checkpointing.keep)
 
+    if buckets and step_fn.mode == "replay":
+        precompile_buckets(step_fn, buckets, lambda size: spmd_loader.place(
+            blank_batch(d.global_batch_size // hosts.process_count(), size, d.max_targets)))
     batches = iter(loader)
     window_start, window_steps, wait_start, nonfinite_seen = time.perf_counter(), 0, spmd_loader.wait_s, 0
     with Preemption() as preemption:
@@ -153,6 +157,17 @@ def fit(cfg: RunConfig) -> Path:
     last = save_weights(out / "last.pth", t.max_steps)
     log.info("saved %s (%s weights)", last, weights)
     return last
+
+
+def precompile_buckets(step_fn: Any, buckets: list[int], batch_of: Callable[[int], dict[str, Any]]) -> None:
+    """Compile the training step for every multi-scale bucket before step 1 (one line each), so no step compiles."""
+    log.info("multi-scale: compiling the training step for %d buckets before step 1: %s", len(buckets), buckets)
+    for i, size in enumerate(buckets, 1):
+        started = time.perf_counter()
+        if not step_fn.precompile(batch_of(size)) and step_fn.mode != "replay":
+            log.info("multi-scale: the other buckets compile at their first step (%s)", step_fn.fallback_reason)
+            return
+        log.info("multi-scale: compiled %d px (%d/%d) in %.0f s", size, i, len(buckets), time.perf_counter() - started)
 
 
 def _nonfinite(values: dict[str, float], seen: int, *, first_in_window: int, step: int) -> str:

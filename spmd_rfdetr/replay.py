@@ -52,7 +52,8 @@ class Program:
 
     graph_hash: Any
     slots: list[tuple[str, Any]]  # per graph input: ("batch", name) | ("state", t) | ("seed", device) | ("const", t)
-    targets: list[torch.Tensor | None]  # per graph output: the tensor it replaces; None = the step's result
+    targets: list[torch.Tensor | None]  # per graph output: the tensor it replaces; None = nothing (e.g. the result)
+    result_index: int  # which output is the step's result
     text: str  # the traced IR, to compare traces (the hash also covers sharding metadata that replays change)
 
     def __post_init__(self) -> None:
@@ -60,7 +61,6 @@ class Program:
         self.fixed = [value if kind in ("state", "const") else None for kind, value in self.slots]
         self.batch_slots = [(i, value) for i, (kind, value) in enumerate(self.slots) if kind == "batch"]
         self.seed_slots = [(i, value) for i, (kind, value) in enumerate(self.slots) if kind == "seed"]
-        self.result_index = next(i for i, t in enumerate(self.targets) if t is None)
 
     def constants(self) -> list[torch.Tensor]:
         return [value for kind, value in self.slots if kind == "const"]
@@ -103,6 +103,19 @@ class Replayer:
             program, inputs = self._trace_and_compile(batch)
         else:
             inputs = program.inputs(batch)
+        return self._run_or_retrace(program, inputs, batch)
+
+    def _run_or_retrace(self, program: Program, inputs: list[torch.Tensor], batch: dict[str, torch.Tensor],
+                        ) -> torch.Tensor:
+        """Run the program; if torch_xla's compilation cache (an LRU of ``XLA_COMPILATION_CACHE_SIZE`` programs)
+        dropped it, trace and compile it again (nothing ran: the failed lookup changes no state)."""
+        try:
+            return self._run(program, inputs)
+        except RuntimeError as error:
+            if not _evicted(error):
+                raise
+        log.info("the step's program left torch_xla's compilation cache (XLA_COMPILATION_CACHE_SIZE): compiling again")
+        program, inputs = self._trace_and_compile(batch)
         return self._run(program, inputs)
 
     def seen(self, batch: dict[str, torch.Tensor]) -> bool:
@@ -126,8 +139,51 @@ class Replayer:
         # The same graph: the compiled program, with this trace's inputs and output tensors (its gradients are new).
         # Its hash may differ (torch_xla also hashes the outputs' sharding metadata, which replayed results carry
         # differently), so it is not compiled again.
-        self.programs[key] = Program(first.graph_hash, second.slots, second.targets, first.text)
-        return self._run(self.programs[key], inputs), ""
+        program = Program(first.graph_hash, second.slots, second.targets, second.result_index, first.text)
+        try:
+            result = self._run(program, inputs)
+        except RuntimeError as error:
+            if not _evicted(error):
+                raise
+            _X._xla_warm_up_cache(outputs, [])  # the first program left the cache: compile this trace's
+            program, result = second, self._run(second, inputs)
+        self.programs[key] = program
+        return result, ""
+
+    def precompile(self, batch: dict[str, torch.Tensor]) -> bool:
+        """Compile the program for this batch's signature now without running it, and leave the state as it was
+        (a multi-scale run compiles every bucket before step 1). False if the signature has a program already.
+
+        The trace writes pending results into the state; afterwards each state tensor gets its pre-trace device data
+        back (wrapped before the trace: tensors the step only writes, such as the learning rates, are no graph input
+        to take it from) and the RNG seed its value. Outputs that are no state tensor (e.g. gradients the trace
+        created) are not kept: replaying this program leaves them out."""
+        key = signature(batch)
+        if key in self.programs:
+            return False
+        torch_xla.sync()
+        before = list({id(t): t for t in self.state()}.values())
+        replicate_unannotated(before)
+        device = next(iter(batch.values())).device
+        seed = xm.get_rng_state(device)
+        snapshot = [(t, _X._get_tensors_xla_device_data_node([t], [])[1][0]) for t in before]
+        restore = {id(t): (t, w) for t, w in snapshot}
+        try:
+            # wrapping relabelled each tensor's device data with its wrapper's id: the trace finds the state by those
+            program, inputs, outputs = self.trace(batch, {_X._xla_get_tensor_id(w): t for t, w in snapshot})
+            # ... and the trace wrapped the inputs it writes once more: that wrapper now names their data
+            for (kind, tensor), value in zip(program.slots, inputs):
+                if kind == "state" and _X._xla_get_tensor_id(value) != _X._xla_get_tensor_id(tensor):
+                    restore[id(tensor)] = (tensor, value)
+            _X._xla_warm_up_cache(outputs, [])  # compile (or find in the cache); nothing executes
+        finally:
+            for tensor, data in restore.values():
+                tensor.data = data
+            xm.set_rng_state(seed, device)
+        kept = {id(t) for t in before}
+        program.targets = [t if t is not None and id(t) in kept else None for t in program.targets]
+        self.programs[key] = program
+        return True
 
     def _trace_and_compile(self, batch: dict[str, torch.Tensor]) -> tuple[Program, list[torch.Tensor]]:
         program, inputs, outputs = self.trace(batch)
@@ -135,9 +191,11 @@ class Replayer:
         self.programs[signature(batch)] = program
         return program, inputs
 
-    def trace(self, batch: dict[str, torch.Tensor]) -> tuple[Program, list[torch.Tensor], list[torch.Tensor]]:
+    def trace(self, batch: dict[str, torch.Tensor], aliases: dict[int, torch.Tensor] | None = None,
+              ) -> tuple[Program, list[torch.Tensor], list[torch.Tensor]]:
         """Run ``fn`` lazily (execution disallowed); returns its program (not compiled yet), this step's inputs (the
-        pre-step data of everything the graph reads) and the graph's output tensors (still pending)."""
+        pre-step data of everything the graph reads) and the graph's output tensors (still pending). ``aliases``:
+        more data ids of state tensors (see :meth:`precompile`)."""
         torch_xla.sync()
         xm.wait_device_ops()
         names = sorted(batch)
@@ -145,6 +203,7 @@ class Replayer:
         replicate_unannotated(before)
         slot_of = {_X._xla_get_tensor_id(batch[n]): ("batch", n) for n in names}
         slot_of.update({_X._xla_get_tensor_id(t): ("state", t) for t in before})
+        slot_of.update({data_id: ("state", t) for data_id, t in (aliases or {}).items()})
         allowed = _X._get_allow_execution()
         _X._set_allow_execution(False)  # a host sync inside fn raises instead of silently cutting the graph
         try:
@@ -177,7 +236,8 @@ class Replayer:
                 slots.append(slot_of.get(tensor_id, ("const", value)))
         del before, slot_of  # keep only the inputs the graph reads alive (not e.g. last step's gradients)
         targets = [None if t is result else t for t in outputs]
-        program = Program(_X._get_graph_hash(outputs), slots, targets, _X._get_xla_tensors_text(outputs))
+        program = Program(_X._get_graph_hash(outputs), slots, targets, targets.index(None),
+                          _X._get_xla_tensors_text(outputs))
         return program, list(values), outputs
 
     @staticmethod
@@ -188,6 +248,11 @@ class Replayer:
                 target.data = value  # not _replace_xla_tensor: that keeps the old tensor id, and the data's own id
                 # would no longer match it in a later trace
         return results[program.result_index]
+
+
+def _evicted(error: RuntimeError) -> bool:
+    """Whether ``_run_cached_graph`` failed because the program left torch_xla's LRU compilation cache."""
+    return "kicked out of the LRU cache" in str(error)
 
 
 def replicate_unannotated(tensors: list[torch.Tensor]) -> None:

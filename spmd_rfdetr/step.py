@@ -252,6 +252,22 @@ class TrainStep:
             self._fall_back(problem)
         return stats
 
+    def precompile(self, batch: dict[str, torch.Tensor]) -> bool:
+        """Compile the program for this batch's signature before its first step (replay mode); the weights, optimizer
+        state, schedule and gradients stay as they were. False if nothing was compiled (known signature, another
+        mode, or replay refused, which then falls back to trace mode as a refused first step would)."""
+        if self.mode != "replay":
+            return False
+        grads = [(p, p.grad) for p in self.model.parameters()]
+        try:
+            return self._replayer.precompile(batch)
+        except ReplayUnsafe as error:
+            self._fall_back(str(error))
+            return False
+        finally:
+            for param, grad in grads:  # the trace's gradients are not the model's
+                param.grad = grad
+
     @property
     def traces(self) -> int:
         """How many times the step's Python has run (replay: once per batch signature, plus the check)."""

@@ -11,7 +11,7 @@ import types
 import pytest
 
 from spmd_rfdetr.config import DataOptions, RunConfig, multi_scale_buckets, upstream_scales
-from spmd_rfdetr.data import TrainBatches, batch_scale, build_split, first_uses, make_train_loader
+from spmd_rfdetr.data import TrainBatches, batch_scale, blank_batch, build_split, first_uses, make_train_loader
 from spmd_rfdetr.metrics import xla_counters
 from spmd_rfdetr.model import upstream_configs
 from test_train import parity_tolerance, upstream_eager_steps
@@ -79,13 +79,15 @@ def test_the_position_table_resize_runs_on_the_device_as_upstreams_on_the_cpu():
 
 
 @pytest.mark.slow
-def test_three_buckets_compile_once_each_and_train_as_upstream(tiny, mesh_trainer, synth_dir):
-    """12 steps over 3 buckets from the real loader: the sizes follow the step; the step is traced once per bucket
-    (+1: the replay check at the first repeated bucket) and nothing compiles once every bucket was used; each step's
-    loss equals upstream's eager step on the same batches: step 1 to 1e-5, each bucket's first step and steps 1-5
-    within :func:`parity_tolerance` (measured up to step 5), later steps within 1e-2 (two correct float32 runs drift
-    further as near-tied proposal rankings flip: 2.5e-3 measured at step 12)."""
+def test_three_buckets_compile_before_step_1_and_train_as_upstream(tiny, mesh_trainer, synth_dir):
+    """12 steps over 3 buckets from the real loader, each bucket's program compiled before step 1 from a blank batch
+    (as ``fit`` does): the sizes follow the step; the step is traced once per bucket (+1: the replay check at step 1)
+    and no step compiles; each step's loss equals upstream's eager step on the same batches (so compiling ahead left
+    the state alone): step 1 to 1e-5, each bucket's first step and steps 1-5 within :func:`parity_tolerance`
+    (measured up to step 5), later steps within 1e-2 (two correct float32 runs drift further as near-tied proposal
+    rankings flip: 2.5e-3 measured at step 12)."""
     from spmd_rfdetr.build import build_trainer
+    from spmd_rfdetr.loop import precompile_buckets
 
     data = dataclasses.replace(tiny.cfg.data, dataset_dir=synth_dir, multi_scale=True, scales=BUCKETS)
     cfg = RunConfig(model=copy.deepcopy(tiny.cfg.model), data=data, optim=tiny.cfg.optim, trainer=tiny.cfg.trainer)
@@ -95,17 +97,16 @@ def test_three_buckets_compile_once_each_and_train_as_upstream(tiny, mesh_traine
     batches = [batch for batch, _ in zip(loader, range(STEPS))]
     sizes = [b["images"].shape[-1] for b in batches]
     assert sizes == [batch_scale(BUCKETS, step) for step in range(STEPS)] and set(sizes) == set(BUCKETS), sizes
-    last_first_use = max(first_uses(BUCKETS, 0, STEPS).values())
 
     trainer = build_trainer(mesh_trainer.fabric, tiny.cfgs, cfg.optim, cfg.trainer, model=tiny.model(),
                             ema=cfg.model)
-    losses, compiles = [], []
-    for step, batch in enumerate(batches, start=1):
-        losses.append(trainer.step.read(trainer.step(mesh_trainer.to_device(batch)))["loss"])
-        compiles.append(xla_counters()["xla_compiles"])
+    precompile_buckets(trainer.step, BUCKETS,
+                       lambda size: mesh_trainer.to_device(blank_batch(data.global_batch_size, size, data.max_targets)))
+    compiled = xla_counters()["xla_compiles"]
+    losses = [trainer.step.read(trainer.step(mesh_trainer.to_device(batch)))["loss"] for batch in batches]
     assert trainer.step.mode == "replay", trainer.step.fallback_reason
     assert trainer.step.traces == len(BUCKETS) + 1
-    assert compiles[-1] == compiles[last_first_use - 1], compiles  # nothing compiled once each bucket was used
+    assert xla_counters()["xla_compiles"] == compiled  # the blank batches had the real batches' signatures
 
     upstream = types.SimpleNamespace(cfg=tiny.cfg, cfgs=tiny.cfgs, batches=batches, model=tiny.model)
     reference, _ = upstream_eager_steps(upstream, STEPS)

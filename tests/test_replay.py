@@ -231,3 +231,47 @@ def test_an_input_the_step_only_reads_is_read_fresh_after_the_check(mesh_trainer
     assert problem == "" and result.cpu().item() == 64.0
     scale.data = torch.full((4,), 2.0).to(torch_xla.device())  # set outside the step
     assert replayer(x).cpu().item() == 128.0 and replayer.traces == 2  # replayed with scale 2: every weight 32
+
+
+def test_precompiled_programs_leave_the_state_alone_and_train_as_compiled_at_first_use(mesh_trainer):
+    """Multi-scale buckets compiled before step 1 (``TrainStep.precompile``): compiling runs nothing and leaves every
+    weight, AdamW moment, LR and step count as it was; the steps then compile nothing and give the losses and weights
+    of a run that compiles each size at its first use."""
+    sizes = [8, 12, 8, 8, 12, 12, 8]
+    batches = toy_batches(len(sizes))
+    for batch, size in zip(batches, sizes):
+        batch["images"] = torch.nn.functional.interpolate(batch["images"], size=(size, size), mode="bilinear")
+    lazy = mesh_toy_step(mesh_trainer, False, len(sizes))
+    lazy_losses = [lazy.read(lazy(mesh_trainer.to_device(b)))["loss"] for b in batches]
+
+    step = mesh_toy_step(mesh_trainer, False, len(sizes))
+    before = [t.cpu() for t in step.state()]
+    counters = xla_counters()
+    assert [step.precompile(mesh_trainer.to_device(batches[i])) for i in (0, 1, 2)] == [True, True, False]
+    after = xla_counters()
+    assert after["xla_compiles"] - counters["xla_compiles"] <= 2  # 0 if the first run's programs are in the cache
+    assert after["xla_executions"] == counters["xla_executions"]  # compiled, never run
+    assert all(torch.equal(a, b) for a, b in zip(before, [t.cpu() for t in step.state()]))
+    assert all(p.grad is None for p in step.model.parameters())
+    compiles = xla_counters()["xla_compiles"]
+    losses = [step.read(step(mesh_trainer.to_device(b)))["loss"] for b in batches]
+    assert xla_counters()["xla_compiles"] == compiles
+    assert step.mode == "replay" and step.traces == 3  # two precompiles + the check at step 1
+    assert losses == pytest.approx(lazy_losses, rel=1e-6) and len(set(losses)) == len(losses)
+    for k, v in lazy.model.state_dict().items():
+        assert torch.equal(step.model.state_dict()[k].cpu(), v.cpu()), k
+
+
+def test_a_program_dropped_from_the_compilation_cache_is_compiled_again(mesh_trainer):
+    """torch_xla's compilation cache is an LRU (``XLA_COMPILATION_CACHE_SIZE``, bounded in conftest): a replayed
+    program it dropped is traced and compiled again, not a crash."""
+    from conftest import COMPILATION_CACHE_SIZE
+
+    weight = torch.zeros(4, device=torch_xla.device())
+    torch_xla.sync()
+    replayer = Replayer(lambda b: weight.add_(b["x"].sum(0)).sum(), lambda: [weight])
+    x = mesh_trainer.to_device({"x": torch.ones(8, 4)})
+    assert replayer(x).cpu().item() == 32.0
+    for size in range(1, COMPILATION_CACHE_SIZE + 2):  # more new programs than the cache holds
+        torch.ones(size, device=torch_xla.device()).mul(3).sum().cpu()
+    assert replayer(x).cpu().item() == 64.0 and replayer.traces == 2

@@ -10,6 +10,12 @@ if "PJRT_DEVICE" not in os.environ and not glob.glob("/dev/accel*") and not glob
     os.environ["PJRT_DEVICE"] = "CPU"  # no TPU here: a 4-device virtual CPU mesh (a TPU VM keeps its chips)
     os.environ.setdefault("CPU_NUM_DEVICES", "4")
 
+#: torch_xla keeps every compiled program in an LRU cache of 2048 by default: a process running this whole suite
+#: then holds dozens of RF-DETR programs (~0.5 GB each on the CPU backend) beside an 8-device ``fit`` subprocess
+#: (~12 GB), more than a 24 GB machine has. Subprocesses inherit the bound.
+COMPILATION_CACHE_SIZE = 12
+os.environ.setdefault("XLA_COMPILATION_CACHE_SIZE", str(COMPILATION_CACHE_SIZE))
+
 import torch_xla.runtime as xr  # noqa: E402
 
 xr.use_spmd()
@@ -30,6 +36,17 @@ TINY_BATCH = 8
 TINY_MAX_TARGETS = 8
 #: The session's ``fit`` (fixture ``fit_run``): 40 steps through LR warm-up into cosine, evaluating every 20.
 FIT_STEPS, EVAL_EVERY, FIT_WARMUP = 40, 20, 5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _return_freed_memory() -> Any:
+    """After each module, hand the heap XLA's compilers freed back to the OS (glibc keeps it otherwise)."""
+    yield
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 @pytest.fixture(scope="session")

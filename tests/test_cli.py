@@ -131,23 +131,35 @@ def test_fit_counters_one_graph_per_step_transfers_only_at_log_points(fit_run: P
 
 
 @pytest.mark.slow
-def test_fit_on_8_devices_matches_4(fit_run: Path, tmp_path: Path) -> None:
-    """Seed Phase 2b on the mesh: 8 virtual devices, one process, no hang, checkpoint written, and the same losses as
-    the 4-device run at steps 1-4, i.e. after 3 updates: a wrong cross-shard gradient reduction (a mean over shards
-    taken as a sum, a shard left out) changes the weights at the first update and the loss from step 2 on. Both runs
-    share batches (data order and augmentations are functions of the seed and step), the global batch (8 = 8 devices
-    x data.per_device_batch_size 1 here, so that option is exercised end to end) and the LR (cpu.yaml's 20 warm-up
-    steps do not depend on max_steps)."""
+def test_fit_on_8_devices_with_fsdp_matches_4(fit_run: Path, tmp_path: Path) -> None:
+    """Seed Phase 2b on the mesh, with parameters sharded: 8 virtual devices as data 4 x fsdp 2, one process, no hang,
+    and the same losses as the 4-device data-parallel run at steps 1-4, i.e. after 3 updates: a wrong cross-shard
+    gradient reduction (a mean over shards taken as a sum, a shard left out, a gradient left split) changes the
+    weights at the first update and the loss from step 2 on. Both runs share batches (data order and augmentations
+    are functions of the seed and step), the global batch (8 = 8 devices x data.per_device_batch_size 1 here, so that
+    option is exercised end to end) and the LR (cpu.yaml's 20 warm-up steps do not depend on max_steps). It evaluates
+    the sharded EMA weights at the end and writes last.pth with whole (gathered) weights."""
     config = yaml.safe_load((fit_run / "config.yaml").read_text())
     result = run_cli("fit", "--config", "configs/cpu.yaml", "--data.dataset_dir", config["data"]["dataset_dir"],
                      "--trainer.output_dir", str(tmp_path), "--trainer.max_steps", "4", "--trainer.log_every", "1",
-                     "--data.per_device_batch_size", "1", "--eval.every_steps", "0", devices=8)
+                     "--data.per_device_batch_size", "1", "--mesh.data", "4", "--mesh.fsdp", "2",
+                     "--eval.every_steps", "4", devices=8)
     assert result.returncode == 0, result.stderr[-3000:]
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["data"]["global_batch_size"] == 8
-    loss8 = [r["loss"] for r in read_metrics(tmp_path)]
+    records = read_metrics(tmp_path)
+    loss8 = [r["loss"] for r in records]
     loss4 = [r["loss"] for r in read_metrics(fit_run)[:4]]
     assert len(loss8) == 4 and len(set(loss4)) == 4, (loss8, loss4)
     for ours, ref in zip(loss8, loss4):
         assert abs(ours - ref) <= 1e-5 * abs(ref), (loss8, loss4)
-    print(f"8 vs 4 devices, steps 1-4: {loss8} vs {loss4}")
-    assert (tmp_path / "last.pth").exists()
+    print(f"data 4 x fsdp 2 vs 4 devices, steps 1-4: {loss8} vs {loss4}")
+    assert records[-1]["step_mode"] == "replay" and "eval/mAP" in records[-1]
+
+    from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions
+    from spmd_rfdetr.model import build_model, upstream_configs
+
+    saved = torch.load(tmp_path / "last.pth", weights_only=True)
+    assert saved["config"]["mesh"] == {"data": 4, "fsdp": 2, "fsdp_min_numel": 2**16, "cpu_devices": 4}
+    model = saved["config"]["model"]
+    cfgs = upstream_configs(ModelOptions(**model), DataOptions(), OptimOptions(), model["num_classes"])
+    build_model(cfgs).load_state_dict(saved["model"])  # strict: every weight whole, none a shard

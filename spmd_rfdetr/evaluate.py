@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from spmd_rfdetr import hosts
 from spmd_rfdetr.coco import CocoMetrics, coco_metrics, detections_to_coco, label2cat_of
 from spmd_rfdetr.config import RunConfig
 
@@ -288,8 +289,11 @@ def device_sender(mesh: Any) -> Callable[[dict[str, torch.Tensor]], dict[str, to
 
 
 def save_result(result: EvalResult, output_dir: str | Path, *, detections: bool = True, stem: str = "") -> Path:
-    """Write ``{stem}coco_eval.json`` (summary + per-class AP) and, optionally, ``{stem}detections.json``."""
+    """Write ``{stem}coco_eval.json`` (summary + per-class AP) and, optionally, ``{stem}detections.json``; on several
+    hosts (each holds the same global result) host 0 alone writes them. Returns the summary's path."""
     out = Path(output_dir)
+    if not hosts.is_coordinator():
+        return out / f"{stem}coco_eval.json"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}coco_eval.json").write_text(json.dumps(result.metrics.to_json(), indent=1))
     if detections:

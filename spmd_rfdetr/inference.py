@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from spmd_rfdetr import hosts
 from spmd_rfdetr.checks import check_data
 from spmd_rfdetr.coco import detections_to_coco, label2cat_for
 from spmd_rfdetr.config import RunConfig
@@ -99,8 +100,9 @@ def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
     rows, ids = run_detection(forward, loader, device_sender(fabric.strategy.mesh))
     results = detections_to_coco(rows, ids, label2cat)
     out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results))
-    out.with_suffix(".images.json").write_text(json.dumps(folder.images_json()))
+    if hosts.is_coordinator():  # several hosts hold the same global detections: host 0 writes them
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results))
+        out.with_suffix(".images.json").write_text(json.dumps(folder.images_json()))
     print(f"predict: {len(folder)} images, {len(results)} detections -> {out}", flush=True)
     return out

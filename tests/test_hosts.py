@@ -48,6 +48,11 @@ except ValueError as error:
     out["mismatch"] = str(error)
 batches = iter(TrainBatches(32, 8, seed=3, start_step=2, host=(rank, count)))
 out["rows"] = [next(batches) for _ in range(6)]
+from spmd_rfdetr.coco import CocoMetrics
+from spmd_rfdetr.evaluate import EvalResult, save_result
+metrics = CocoMetrics({"mAP": 0.5}, [], num_images=1, num_detections=1)
+result = EvalResult(metrics, [{"image_id": 1}], [1], 1)  # every host holds the same
+save_result(result, sys.argv[4], stem=f"host{rank}_")  # only host 0's files may appear
 hosts.barrier()
 print("RESULT", json.dumps(out))
 """
@@ -59,10 +64,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_gloo_hosts_agree_on_stop_and_sizes_and_split_the_global_batch():
+def test_two_gloo_hosts_agree_on_stop_and_sizes_and_split_the_global_batch(tmp_path):
     port, count = free_port(), 2
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
-    procs = [subprocess.Popen([sys.executable, "-c", HOST, str(rank), str(count), str(port)], cwd=ROOT, env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", HOST, str(rank), str(count), str(port), str(tmp_path)], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(count)]
     results = []
     for proc in procs:
@@ -77,6 +82,7 @@ def test_two_gloo_hosts_agree_on_stop_and_sizes_and_split_the_global_batch():
     assert [r["stop"] for r in results] == [True, True]  # ... and both stop at the same step
     for r in results:  # every host raises, naming the value and the range
         assert "train images differs between the hosts" in r["mismatch"] and "from 32 to 33" in r["mismatch"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["host0_coco_eval.json", "host0_detections.json"]
     one_host = iter(TrainBatches(32, 8, seed=3, start_step=2))
     for step, (rows0, rows1) in enumerate(zip(results[0]["rows"], results[1]["rows"])):
         assert len(rows0) == len(rows1) == 4

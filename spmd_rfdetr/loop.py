@@ -8,7 +8,7 @@ import signal
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import yaml
 
@@ -16,6 +16,9 @@ from spmd_rfdetr import hosts
 from spmd_rfdetr.checks import check_data
 from spmd_rfdetr.config import RunConfig, multi_scale_buckets, resolve_and_check, upstream_scales
 from spmd_rfdetr.runtime import PRECISIONS, setup_runtime
+
+if TYPE_CHECKING:
+    from spmd_rfdetr.step import TrainStep
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,8 @@ def fit(cfg: RunConfig) -> Path:
 
     from spmd_rfdetr import checkpoint
     from spmd_rfdetr.build import build_trainer
-    from spmd_rfdetr.data import blank_batch, build_split, check_overflow, class_names, first_uses, make_train_loader, num_classes_in
+    from spmd_rfdetr.data import (blank_batch, build_split, check_overflow, class_names, first_uses, make_train_loader,
+                                  num_classes_in)
     from spmd_rfdetr.evaluate import fit_evaluation
     from spmd_rfdetr.fabric import spmd_fabric
     from spmd_rfdetr.mesh import build_mesh
@@ -159,7 +163,7 @@ def fit(cfg: RunConfig) -> Path:
     return last
 
 
-def precompile_buckets(step_fn: Any, buckets: list[int], batch_of: Callable[[int], dict[str, Any]]) -> None:
+def precompile_buckets(step_fn: TrainStep, buckets: list[int], batch_of: Callable[[int], dict[str, Any]]) -> None:
     """Compile the training step for every multi-scale bucket before step 1 (one line each), so no step compiles."""
     log.info("multi-scale: compiling the training step for %d buckets before step 1: %s", len(buckets), buckets)
     for i, size in enumerate(buckets, 1):

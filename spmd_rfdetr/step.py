@@ -180,24 +180,19 @@ class TrainStep:
             grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
         lr = self.optimizer.param_groups[0]["lr"]
         lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else torch.tensor(lr)  # this step's, not the next
-        # openxla: no guard. It was turned off when the openxla fit failed at step 1; the cause turned out to be the EMA
-        # update (moved out of the dynamo graph in __call__), and the guard under openxla has not been re-tested since
-        guard = self.mode != "openxla"
-        if guard:
-            finite = torch.isfinite(loss.detach()) & torch.isfinite(grad_norm.detach())
-            updated = self._updated_by_optimizer()
-            with torch.no_grad():
-                before = [t.detach().clone() for t in updated]
+        finite = torch.isfinite(loss.detach()) & torch.isfinite(grad_norm.detach())
+        updated = self._updated_by_optimizer()
+        with torch.no_grad():
+            before = [t.detach().clone() for t in updated]
         self.optimizer.step()
         with torch.no_grad():
             self.steps_done.add_(1)
-            if guard:
-                for tensor, old in zip(updated, before):
-                    tensor.copy_(torch.where(finite, tensor, old))  # a non-finite step changes nothing
-                self.first_nonfinite.copy_(
-                    torch.where((self.first_nonfinite < 0) & ~finite, self.steps_done, self.first_nonfinite)
-                )
-                self.nonfinite_steps.add_((~finite).float())
+            for tensor, old in zip(updated, before):
+                tensor.copy_(torch.where(finite, tensor, old))  # a non-finite step changes nothing
+            self.first_nonfinite.copy_(
+                torch.where((self.first_nonfinite < 0) & ~finite, self.steps_done, self.first_nonfinite)
+            )
+            self.nonfinite_steps.add_((~finite).float())
         if self.schedule is not None:
             self.schedule.step()  # next step's learning rates, inside this graph
         if self.ema is not None and self.mode != "openxla":

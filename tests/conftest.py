@@ -12,13 +12,21 @@ if "PJRT_DEVICE" not in os.environ and not glob.glob("/dev/accel*") and not glob
 
 #: torch_xla keeps every compiled program in an LRU cache of 2048 by default: a process running this whole suite
 #: then holds dozens of RF-DETR programs (~0.5 GB each on the CPU backend) beside an 8-device ``fit`` subprocess
-#: (~12 GB), more than a 24 GB machine has. Subprocesses inherit the bound.
+#: (~12 GB), more than a 24 GB machine has. The bound is this process's own: a subprocess (a ``fit`` in openxla mode,
+#: upstream's eager step on XLA) runs more distinct graphs per step than this and would recompile them every step.
 COMPILATION_CACHE_SIZE = 12
+_bound_here = "XLA_COMPILATION_CACHE_SIZE" not in os.environ
 os.environ.setdefault("XLA_COMPILATION_CACHE_SIZE", str(COMPILATION_CACHE_SIZE))
 
+import torch  # noqa: E402
+import torch_xla  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
 
 xr.use_spmd()
+(torch.zeros(1, device=torch_xla.device()) + 1).cpu()  # the cache is created (reading the bound) at the first compile
+assert torch_xla._XLAC._xla_computation_cache_is_initialized()
+if _bound_here:
+    del os.environ["XLA_COMPILATION_CACHE_SIZE"]
 
 import copy  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -26,7 +34,6 @@ from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions, RunConfig, TrainerOptions  # noqa: E402
 
@@ -151,3 +158,13 @@ def fit_run(tiny: Tiny, synth_dir: str, tmp_path_factory: pytest.TempPathFactory
     cfg = fit_config(tiny, synth_dir, tmp_path_factory.mktemp("fit"), "replay")
     loop.fit(cfg)
     return Path(cfg.trainer.output_dir)
+
+
+def read_training_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """A training-state checkpoint directory (torch.distributed.checkpoint) read into host tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    host = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items() if hasattr(m, "size")}
+    dcp.load(host, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    return host

@@ -154,9 +154,7 @@ def test_a_nan_step_stops_fit_or_is_skipped(tiny, synth_dir: str, fit_run: Path,
     """A real NaN batch at step 5 of the session fit's config (its graphs are compiled already, in this process):
     ``stop`` ends the run there, naming the step, with the step-4 checkpoint finite and no last.pth; ``skip_step``
     trains on to the end with exactly one skipped step and finite weights."""
-    import torch.distributed.checkpoint as dcp
-
-    from conftest import fit_config
+    from conftest import fit_config, read_training_checkpoint
     from spmd_rfdetr import loop
     from spmd_rfdetr.loader import NAN_BATCH_ENV
 
@@ -169,10 +167,7 @@ def test_a_nan_step_stops_fit_or_is_skipped(tiny, synth_dir: str, fit_run: Path,
         loop.fit(cfg)
     out = Path(cfg.trainer.output_dir)
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5] and not (out / "last.pth").exists()
-    newest = out / "checkpoints" / "step_00000004"
-    stored = dcp.FileSystemReader(str(newest)).read_metadata().state_dict_metadata
-    host = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items() if hasattr(m, "size")}
-    dcp.load(host, storage_reader=dcp.FileSystemReader(str(newest)), no_dist=True)
+    host = read_training_checkpoint(out / "checkpoints" / "step_00000004")
     assert all(torch.isfinite(t).all() for k, t in host.items() if k.startswith(("model.", "ema.")))
 
     cfg = fit_config(tiny, synth_dir, tmp_path / "skip", "replay")

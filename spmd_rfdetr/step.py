@@ -180,19 +180,24 @@ class TrainStep:
             grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
         lr = self.optimizer.param_groups[0]["lr"]
         lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else torch.tensor(lr)  # this step's, not the next
-        finite = torch.isfinite(loss.detach()) & torch.isfinite(grad_norm.detach())
-        updated = self._updated_by_optimizer()
-        with torch.no_grad():
-            before = [t.detach().clone() for t in updated]
+        # openxla: no guard. Inside dynamo's post-optimizer graph it fails as the EMA update did: "Trying to access XLA
+        # data ... while an async operation is in flight: UNKNOWN_SCALAR[]" (a CLI fit, re-tested 2026-11-30)
+        guard = self.mode != "openxla"
+        if guard:
+            finite = torch.isfinite(loss.detach()) & torch.isfinite(grad_norm.detach())
+            updated = self._updated_by_optimizer()
+            with torch.no_grad():
+                before = [t.detach().clone() for t in updated]
         self.optimizer.step()
         with torch.no_grad():
             self.steps_done.add_(1)
-            for tensor, old in zip(updated, before):
-                tensor.copy_(torch.where(finite, tensor, old))  # a non-finite step changes nothing
-            self.first_nonfinite.copy_(
-                torch.where((self.first_nonfinite < 0) & ~finite, self.steps_done, self.first_nonfinite)
-            )
-            self.nonfinite_steps.add_((~finite).float())
+            if guard:
+                for tensor, old in zip(updated, before):
+                    tensor.copy_(torch.where(finite, tensor, old))  # a non-finite step changes nothing
+                self.first_nonfinite.copy_(
+                    torch.where((self.first_nonfinite < 0) & ~finite, self.steps_done, self.first_nonfinite)
+                )
+                self.nonfinite_steps.add_((~finite).float())
         if self.schedule is not None:
             self.schedule.step()  # next step's learning rates, inside this graph
         if self.ema is not None and self.mode != "openxla":

@@ -292,13 +292,14 @@ def save_result(result: EvalResult, output_dir: str | Path, *, detections: bool 
     """Write ``{stem}coco_eval.json`` (summary + per-class AP) and, optionally, ``{stem}detections.json``; on several
     hosts (each holds the same global result) host 0 alone writes them. Returns the summary's path."""
     out = Path(output_dir)
+    summary = out / f"{stem}coco_eval.json"
     if not hosts.is_coordinator():
-        return out / f"{stem}coco_eval.json"
+        return summary
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}coco_eval.json").write_text(json.dumps(result.metrics.to_json(), indent=1))
+    summary.write_text(json.dumps(result.metrics.to_json(), indent=1))
     if detections:
         (out / f"{stem}detections.json").write_text(json.dumps(result.detections))
-    return out / f"{stem}coco_eval.json"
+    return summary
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from spmd_rfdetr.config import DataOptions, RunConfig, multi_scale_buckets, upst
 from spmd_rfdetr.data import TrainBatches, batch_scale, blank_batch, build_split, first_uses, make_train_loader
 from spmd_rfdetr.metrics import xla_counters
 from spmd_rfdetr.model import upstream_configs
-from test_train import parity_tolerance, upstream_eager_steps
+from test_train import parity_tolerance, upstream_steps
 
 BUCKETS = [96, 128, 160]
 STEPS = 12
@@ -109,7 +109,7 @@ def test_three_buckets_compile_before_step_1_and_train_as_upstream(tiny, mesh_tr
     assert xla_counters()["xla_compiles"] == compiled  # the blank batches had the real batches' signatures
 
     upstream = types.SimpleNamespace(cfg=tiny.cfg, cfgs=tiny.cfgs, batches=batches, model=tiny.model)
-    reference, _ = upstream_eager_steps(upstream, STEPS)
+    reference, _ = upstream_steps(upstream, STEPS)
     first_steps = set(first_uses(BUCKETS, 0, STEPS).values())
     for step, (ours, ref) in enumerate(zip(losses, reference), start=1):
         bound = parity_tolerance(step) if step <= 5 or step in first_steps else 1e-2

@@ -34,7 +34,7 @@ def parity_tolerance(step: int) -> float:
       10 before step 4); upstream float64 vs upstream float32 1.9e-4, 2.4e-4, 2.5e-4 (one reordering already before
       step 2: the 5.3e-6 above); ours vs float64 up to 8.8e-4. Not the matcher: the smallest gap between the best and
       second-best assignment of any problem is 1.4e-3 at step 2, far above rounding, and the assignments differ only
-      after a reordering moved the predictions. Not our step either: upstream's own step run op by op on the same XLA
+      after a reordering moved the predictions. Not our step either: upstream's own step run on the same XLA
       device with capturable AdamW (as ours) gives our losses to 1.4e-7 over all 5 steps (so the test also checks
       that, to 1e-5), while with plain AdamW (its bias correction in float64 on the host) it is 1.6e-4 off its own CPU
       run at step 3. 2e-3 is about twice the largest difference measured between correct runs; a 10% LR error moves
@@ -47,39 +47,39 @@ def sharding(t: torch.Tensor) -> str:
     return torch_xla._XLAC._get_xla_sharding_spec(t)
 
 
-def upstream_eager_steps(tiny, steps: int, on_xla: bool = False) -> tuple[list[float], list[torch.Tensor]]:
-    """Upstream rfdetr's own step, op by op: its model, its SetCriterion (SciPy matcher), AdamW over its parameter
-    groups, clipping. On the CPU (eager torch, plain AdamW as rfdetr trains), or ``on_xla``: on the XLA device in
-    torch_xla's eager mode (each op compiled and run alone) with AdamW ``capturable`` (step count on the device), the
-    numerics our compiled step uses."""
-    import torch_xla.experimental
-
+def upstream_steps(tiny, steps: int, on_xla: bool = False) -> tuple[list[float], list[torch.Tensor]]:
+    """Upstream rfdetr's own step: its model, its SetCriterion (SciPy matcher), AdamW over its parameter groups,
+    clipping. On the CPU (eager torch, plain AdamW as rfdetr trains), or ``on_xla``: on the XLA device, traced lazily
+    by torch_xla (graphs cut where upstream's matcher reads the costs on the host) with AdamW ``capturable`` (step
+    count on the device), the numerics our compiled step uses. (torch_xla's eager mode, which ran it op by op until
+    2026-11-30, segfaults at random under SPMD: in the forward or in AdamW, about 1 run in 4.)"""
     device = torch_xla.device() if on_xla else torch.device("cpu")
     net = tiny.model().to(device)
     criterion = build_upstream_criterion(tiny.cfgs)[0].train().to(device)
     optimizer = build_optimizer(net, tiny.cfgs, on_device=on_xla)
     losses, first_grads = [], []
-    torch_xla.experimental.eager_mode(on_xla)
-    try:
-        for i in range(steps):
-            batch = {k: v.to(device) for k, v in tiny.batches[i % len(tiny.batches)].items()}
-            optimizer.zero_grad(set_to_none=True)
-            loss_dict = criterion(net(as_samples(batch["images"])), targets_list(batch))
-            loss = total_loss(loss_dict, criterion.weight_dict)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), tiny.cfg.optim.clip_max_norm)
-            if i == 0:
-                first_grads = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in net.parameters()]
-            optimizer.step()
-            losses.append(loss.item())
-    finally:
-        torch_xla.experimental.eager_mode(False)
+    for i in range(steps):
+        batch = {k: v.to(device) for k, v in tiny.batches[i % len(tiny.batches)].items()}
+        optimizer.zero_grad(set_to_none=True)
+        loss_dict = criterion(net(as_samples(batch["images"])), targets_list(batch))
+        loss = total_loss(loss_dict, criterion.weight_dict)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), tiny.cfg.optim.clip_max_norm)
+        if on_xla:
+            torch_xla.sync()  # one graph for the loss and gradients, not one per tensor read below
+        if i == 0:
+            first_grads = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in net.parameters()]
+        optimizer.step()
+        if on_xla:
+            torch_xla.sync()
+        losses.append(loss.item())
     return losses, first_grads
 
 
-#: One child process on the same 4-device mesh runs what misbehaves inside the session's process after its many
-#: programs: :func:`upstream_eager_steps` ``on_xla`` (torch_xla's eager mode segfaulted in AdamW's step there) and our
-#: step with ``trainer.matcher=scipy`` (its traced step, cut by the host solve, segfaulted in a sync there on the CI run).
+#: One child process on the same 4-device mesh runs what would crowd the session's bounded compilation cache (its
+#: shared programs would be evicted) or misbehaved inside the session's process after its many programs:
+#: :func:`upstream_steps` ``on_xla`` (a handful of graphs per step, cut at each host matcher call) and our step with
+#: ``trainer.matcher=scipy`` (its traced step, cut by the host solve, segfaulted in a sync there on a CI run).
 XLA_CHILD = """
 import dataclasses, json, sys, types, torch
 import torch_xla.runtime as xr
@@ -89,7 +89,7 @@ from spmd_rfdetr.build import build_trainer
 from spmd_rfdetr.fabric import spmd_fabric
 from spmd_rfdetr.mesh import build_mesh
 from spmd_rfdetr.model import build_model, upstream_configs
-from test_train import upstream_eager_steps
+from test_train import upstream_steps
 saved = torch.load(sys.argv[1], weights_only=False)
 cfg = saved["cfg"]
 cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, num_classes=3)
@@ -98,7 +98,7 @@ def model():
     net.load_state_dict(saved["init_state"])
     return net.train()
 tiny = types.SimpleNamespace(cfg=cfg, cfgs=cfgs, batches=saved["batches"], model=model)
-out = {"upstream_on_xla": upstream_eager_steps(tiny, int(sys.argv[3]), on_xla=True)[0]}
+out = {"upstream_on_xla": upstream_steps(tiny, int(sys.argv[3]), on_xla=True)[0]}
 fabric = spmd_fabric(build_mesh(), precision="32-true")
 options = dataclasses.replace(cfg.trainer, matcher="scipy")
 trainer = build_trainer(fabric, cfgs, cfg.optim, options, model=model(), ema=cfg.model)
@@ -124,9 +124,12 @@ def xla_child(tiny, tmp_path_factory) -> dict:
     torch.save({"cfg": tiny.cfg, "init_state": tiny.init_state, "batches": tiny.batches[:PARITY_STEPS]}, inputs)
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
-    child = subprocess.run([sys.executable, "-c", XLA_CHILD, str(inputs), str(tests), str(PARITY_STEPS),
+    child = subprocess.run([sys.executable, "-X", "faulthandler", "-c", XLA_CHILD, str(inputs), str(tests), str(PARITY_STEPS),
                             str(SCIPY_STEPS)], cwd=tests.parent, env=env, capture_output=True, text=True, timeout=1800)
-    assert child.returncode == 0, child.stderr[-3000:]
+    (tmp_path_factory.getbasetemp() / "xla_child.env").write_text("\n".join(f"{k}={v}" for k, v in sorted(env.items())))
+    (tmp_path_factory.getbasetemp() / "xla_child.err").write_text(child.stderr)
+    stderr = "\n".join(line for line in child.stderr.splitlines() if "sharding_propagation" not in line)
+    assert child.returncode == 0, stderr[-4000:]
     return json.loads(child.stdout.split("RESULT", 1)[1])
 
 
@@ -134,8 +137,8 @@ def xla_child(tiny, tmp_path_factory) -> dict:
 def test_parity_with_upstream_eager_step(tiny, mesh_trainer, xla_child):
     """Our compiled step on the mesh over PARITY_STEPS steps against upstream rfdetr's own step: on the CPU, step 1's
     loss and gradients, then each step's loss within :func:`parity_tolerance` (why later steps need more: its
-    docstring); op by op on the same XLA device with the same (capturable) AdamW, every step's loss to 1e-5."""
-    ref_losses, ref_grads = upstream_eager_steps(tiny, PARITY_STEPS)
+    docstring); on the same XLA device with the same (capturable) AdamW, every step's loss to 1e-5."""
+    ref_losses, ref_grads = upstream_steps(tiny, PARITY_STEPS)
     same_device = xla_child["upstream_on_xla"]
     losses = []
     for i in range(PARITY_STEPS):

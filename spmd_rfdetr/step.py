@@ -180,24 +180,16 @@ class TrainStep:
             grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
         lr = self.optimizer.param_groups[0]["lr"]
         lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else torch.tensor(lr)  # this step's, not the next
-        # openxla: no guard. Inside dynamo's post-optimizer graph it fails as the EMA update did: "Trying to access XLA
-        # data ... while an async operation is in flight: UNKNOWN_SCALAR[]" (a CLI fit, re-tested 2026-11-30)
+        # openxla: the guard runs around dynamo's graphs, in __call__ (inside the post-optimizer graph it fails as the
+        # EMA update did: "Trying to access XLA data ... while an async operation is in flight: UNKNOWN_SCALAR[]")
         guard = self.mode != "openxla"
         if guard:
-            finite = torch.isfinite(loss.detach()) & torch.isfinite(grad_norm.detach())
-            updated = self._updated_by_optimizer()
-            with torch.no_grad():
-                before = [t.detach().clone() for t in updated]
+            updated, before = self._snapshot()
         self.optimizer.step()
         with torch.no_grad():
             self.steps_done.add_(1)
-            if guard:
-                for tensor, old in zip(updated, before):
-                    tensor.copy_(torch.where(finite, tensor, old))  # a non-finite step changes nothing
-                self.first_nonfinite.copy_(
-                    torch.where((self.first_nonfinite < 0) & ~finite, self.steps_done, self.first_nonfinite)
-                )
-                self.nonfinite_steps.add_((~finite).float())
+        if guard:
+            self._keep_if_finite(torch.isfinite(loss.detach()) & torch.isfinite(grad_norm.detach()), updated, before)
         if self.schedule is not None:
             self.schedule.step()  # next step's learning rates, inside this graph
         if self.ema is not None and self.mode != "openxla":
@@ -211,6 +203,40 @@ class TrainStep:
             matcher.unconverged = None  # a live pending tensor outside the state would make replay refuse
         self.stat_names = list(stats)
         return torch.stack([v.float() for v in stats.values()])  # one tensor: one transfer at a log point
+
+    @torch.no_grad()
+    def _snapshot(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The tensors the optimizer updates, and copies of them as they are before the update."""
+        updated = self._updated_by_optimizer()
+        return updated, [t.detach().clone() for t in updated]
+
+    @torch.no_grad()
+    def _keep_if_finite(self, finite: torch.Tensor, updated: list[torch.Tensor], before: list[torch.Tensor]) -> None:
+        """A non-finite step changes nothing (each updated tensor is selected on the device) and is counted."""
+        for tensor, old in zip(updated, before):
+            tensor.copy_(torch.where(finite, tensor, old))
+        self.first_nonfinite.copy_(
+            torch.where((self.first_nonfinite < 0) & ~finite, self.steps_done, self.first_nonfinite)
+        )
+        self.nonfinite_steps.add_((~finite).float())
+
+    def _openxla(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """openxla mode: dynamo's graphs for the step, then the non-finite guard and the EMA update as one lazy graph
+        (inside dynamo's post-optimizer graph torch_xla 2.9 fails to read these tensors: "Trying to access XLA data
+        ... while an async operation is in flight"). Costs one more graph per step: the pre-update copies."""
+        updated, before = self._snapshot()
+        torch_xla.sync()  # the copies exist before dynamo's graph updates (and may donate) the originals
+        stats = self._compiled(batch)
+        names = self.stat_names
+        finite = torch.isfinite(stats[names.index("loss")]) & torch.isfinite(stats[names.index("grad_norm")])
+        self._keep_if_finite(finite, updated, before)
+        stats = stats.clone()
+        stats[names.index("nonfinite_steps")] = self.nonfinite_steps
+        stats[names.index("first_nonfinite_step")] = self.first_nonfinite
+        if self.ema is not None:
+            self.ema.update()
+        torch_xla.sync()
+        return stats
 
     def _forward_backward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if self.accumulate == 1:
@@ -230,13 +256,7 @@ class TrainStep:
         """Run one step; returns the stats vector named by :attr:`stat_names` (still on the device)."""
         self.calls += 1
         if self.mode == "openxla":
-            stats = self._compiled(batch)
-            if self.ema is not None:
-                # its own lazy graph: inside dynamo's post-optimizer graph torch_xla 2.9 fails to read the EMA tensors
-                # ("Trying to access XLA data ... while an async operation is in flight" at step 1)
-                self.ema.update()
-                torch_xla.sync()
-            return stats
+            return self._openxla(batch)
         if self.mode == "trace":
             return self._trace(batch)
         try:

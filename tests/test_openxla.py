@@ -74,28 +74,43 @@ def test_openxla_training_is_wrong_without_the_fix_and_exact_with_it(mesh_traine
 
 
 @pytest.mark.slow
-def test_fit_trains_with_openxla_as_with_replay(tiny, synth_dir, fit_run, tmp_path):
-    """The CLI's `fit` with compile_backend=openxla, 5 steps of the session fit's config (in its LR warm-up):
-    the replay fit's losses within :func:`~test_train.parity_tolerance` (1e-5 at step 1, 1e-4 at step 2: the weight
+def test_fit_trains_with_openxla_as_with_replay_and_skips_a_nan_step(tiny, synth_dir, fit_run, tmp_path):
+    """The CLI's `fit` with compile_backend=openxla, 5 steps of the session fit's config (in its LR warm-up): the
+    replay fit's losses within :func:`~test_train.parity_tolerance` (1e-5 at step 1, 1e-4 at step 2: the weight
     updates were right; from step 3 the two programs, which round differently, may rank near-tied proposals
-    differently: measured 6.2e-5 at step 5 on a CI run)."""
+    differently: measured 6.2e-5 at step 5 on a CI run). Then a real NaN batch at step 6 with
+    ``trainer.on_nonfinite=skip_step``: counted, named, and the weights and AdamW state after it are those after
+    step 5, bit for bit (the non-finite guard around dynamo's graphs), and the EMA stays finite."""
+    from conftest import read_training_checkpoint
+    from spmd_rfdetr.loader import NAN_BATCH_ENV
+
     cfg = fit_config(tiny, synth_dir, tmp_path, "replay")
-    cfg.trainer.compile_backend, cfg.trainer.max_steps = "openxla", OPENXLA_STEPS
-    cfg.eval.every_steps = 0
+    cfg.trainer.compile_backend, cfg.trainer.max_steps = "openxla", OPENXLA_STEPS + 1
+    cfg.trainer.on_nonfinite, cfg.eval.every_steps = "skip_step", 0
+    cfg.checkpointing.every_steps, cfg.checkpointing.keep = 1, 2  # the training state after steps 5 and 6
     # data.num_workers=0 runs rfdetr's random augmentations in the loading thread; dynamo saves and restores torch's
     # host RNG while it compiles, which would reorder those draws. Loading in the loop keeps the replay run's batches.
     cfg.data.prefetch = 0
     config = tmp_path / "openxla.yaml"
     config.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", NAN_BATCH_ENV: str(OPENXLA_STEPS + 1)}
     result = subprocess.run([sys.executable, "-m", "spmd_rfdetr", "fit", "--config", str(config)], cwd=ROOT, env=env,
                             text=True, capture_output=True, timeout=1800)
     assert result.returncode == 0, result.stderr[-4000:]
-    ours = [json.loads(line) for line in (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    out = Path(cfg.trainer.output_dir)
+    ours = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     ref = [json.loads(line) for line in (fit_run / "metrics.jsonl").read_text().splitlines()][:OPENXLA_STEPS]
-    assert [r["step"] for r in ours] == list(range(1, OPENXLA_STEPS + 1))
+    assert [r["step"] for r in ours] == list(range(1, OPENXLA_STEPS + 2))
     assert {r["step_mode"] for r in ours} == {"openxla"}
     for a, b in zip(ours, ref):
         assert abs(a["loss"] - b["loss"]) <= parity_tolerance(a["step"]) * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
-    graphs = (ours[-1]["xla_executions"] - ours[1]["xla_executions"]) / (OPENXLA_STEPS - 2)
+    nan_step = ours[-1]
+    assert nan_step["loss"] != nan_step["loss"] and nan_step["nonfinite_steps"] == 1
+    assert nan_step["first_nonfinite_step"] == OPENXLA_STEPS + 1 and ours[-2]["nonfinite_steps"] == 0
+    before, after = (read_training_checkpoint(out / "checkpoints" / f"step_{s:08d}") for s in (5, 6))
+    kept = [k for k in before if k.startswith(("model.", "optim.")) and not k.startswith("optim.group")]  # LRs move on
+    assert len(kept) > 10 and all(torch.equal(before[k], after[k]) for k in kept)
+    ema = [v for k, v in after.items() if k.startswith("ema.") and v.is_floating_point()]
+    assert len(ema) > 10 and all(torch.isfinite(v).all() for v in ema)  # it averaged the kept weights, not NaNs
+    graphs = (ours[-2]["xla_executions"] - ours[1]["xla_executions"]) / (OPENXLA_STEPS - 2)
     print(f"openxla fit: losses {[r['loss'] for r in ours]}; {graphs:.1f} graph executions per step")

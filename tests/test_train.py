@@ -124,9 +124,9 @@ def xla_child(tiny, tmp_path_factory) -> dict:
     torch.save({"cfg": tiny.cfg, "init_state": tiny.init_state, "batches": tiny.batches[:PARITY_STEPS]}, inputs)
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
-    child = subprocess.run([sys.executable, "-X", "faulthandler", "-c", XLA_CHILD, str(inputs), str(tests), str(PARITY_STEPS),
-                            str(SCIPY_STEPS)], cwd=tests.parent, env=env, capture_output=True, text=True, timeout=1800)
-    (tmp_path_factory.getbasetemp() / "xla_child.env").write_text("\n".join(f"{k}={v}" for k, v in sorted(env.items())))
+    child = subprocess.run([sys.executable, "-X", "faulthandler", "-c", XLA_CHILD, str(inputs), str(tests),
+                            str(PARITY_STEPS), str(SCIPY_STEPS)], cwd=tests.parent, env=env, capture_output=True,
+                           text=True, timeout=1800)
     (tmp_path_factory.getbasetemp() / "xla_child.err").write_text(child.stderr)
     stderr = "\n".join(line for line in child.stderr.splitlines() if "sharding_propagation" not in line)
     assert child.returncode == 0, stderr[-4000:]

@@ -1,15 +1,25 @@
-"""The static-shape set criterion: rfdetr's SetCriterion with a matcher whose output shapes never change.
+"""The static-shape set criterion: rfdetr's matching cost and detection losses on whole padded batches.
 
-Upstream's loss math is already static for padded targets (``valid`` masks in ``loss_labels``/``loss_boxes``,
-``num_boxes`` kept as a tensor). What is not static is its HungarianMatcher: it moves every cost matrix to the host and
-solves it with SciPy, one variable-length result per image. :class:`StaticShapeMatcher` keeps rfdetr's cost (the same
-``_compute_compact_detection_cost_matrix``) and replaces only the solve:
+A static batch holds every image's targets padded to ``max_targets`` slots with a ``valid`` mask. rfdetr's
+``SetCriterion`` takes them as a list of per-image dicts and its ``HungarianMatcher`` solves each image on the host with
+SciPy. On a mesh whose batch axis is split over chips, every per-image slice and every concatenation across images
+becomes a collective (the TPU compiler counted 1,226 collective-permutes from such slices in one Nano step), and the
+program grows with the batch. Here nothing is per image:
 
-- ``solver="device"``: :func:`spmd_rfdetr.matching.solve_assignment` on the device, inside the step's one graph;
-- ``solver="scipy"``: the upstream way, through the host (a reference, and a fallback).
+- :class:`StaticShapeMatcher`: rfdetr's cost terms (its focal class cost, ``pairwise_box_l1_cost``,
+  ``generalized_box_iou``, its padding cost) for ``[B, Q, T]`` at once, and the exact assignment of
+  :mod:`spmd_rfdetr.matching` run on each device's own images (:func:`~spmd_rfdetr.mesh.on_each_shard`: no collective
+  inside the solver's loop). ``solver="scipy"`` solves on the host instead (a reference, and a fallback).
+- :class:`StaticSetCriterion`: rfdetr's IoU-aware BCE, L1 and GIoU losses (``SetCriterion.loss_labels`` /
+  ``loss_boxes``, the ``ia_bce_loss`` branch with the ``valid`` mask, and the logged cardinality / class errors) for
+  every layer at once, with matched predictions taken by ``gather`` along the query axis, never along the batch axis.
+  Loss configurations it does not cover, and the SciPy solver, go through upstream's own ``SetCriterion.forward``.
 
 Either way every image gets exactly ``group_detr * max_targets`` (query, target) pairs: real targets at their optimal
-query, padding slots parked on distinct leftover queries, where the criterion's ``valid`` mask zeroes them.
+query, padding slots parked on distinct leftover queries, where ``valid`` zeroes them. The loss normaliser
+``num_boxes`` is the global batch's real box count (times ``group_detr``), a device tensor: upstream would
+``all_reduce`` it over ``torch.distributed`` and divide by the number of processes, which is wrong under SPMD, where
+every tensor is global already.
 """
 
 from __future__ import annotations
@@ -17,14 +27,28 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 from rfdetr.models.criterion import SetCriterion
-from rfdetr.models.matcher import HungarianMatcher
+from rfdetr.models.matcher import _PADDED_TARGET_COST, HungarianMatcher
+from rfdetr.utilities.box_ops import (
+    box_cxcywh_to_xyxy,
+    elementwise_box_iou,
+    elementwise_generalized_box_iou,
+    generalized_box_iou,
+)
 from scipy.optimize import linear_sum_assignment
+from torch import Tensor
+
+from spmd_rfdetr.mesh import on_each_shard, take_rows
 
 Solver = Literal["device", "scipy"]
+#: rfdetr's loss terms the batched criterion computes (SetCriterion's ``losses`` of every detection variant).
+BATCHED_LOSSES = frozenset({"labels", "boxes", "cardinality"})
+#: rfdetr's focal loss exponent in ``loss_labels``.
+_GAMMA = 2
 
 
-def park_padding(query_of_target: torch.Tensor, valid: torch.Tensor, num_queries: int) -> torch.Tensor:
+def park_padding(query_of_target: Tensor, valid: Tensor, num_queries: int) -> Tensor:
     """Give every padding slot its own query among those no real target took (fixed shapes, no host sync).
 
     ``query_of_target`` [P, T] (only valid slots meaningful), ``valid`` [P, T] -> [P, T] injective per problem.
@@ -38,7 +62,7 @@ def park_padding(query_of_target: torch.Tensor, valid: torch.Tensor, num_queries
     return torch.where(valid, query_of_target, parked)
 
 
-def _scipy_solve(cost: torch.Tensor) -> torch.Tensor:
+def _scipy_solve(cost: Tensor) -> Tensor:
     """Upstream's host path: SciPy on every [Q, T] problem (padding columns included). Returns [P, T]."""
     cost_host = cost.detach().float().cpu()
     result = torch.empty(cost.shape[0], cost.shape[2], dtype=torch.int64)
@@ -48,125 +72,245 @@ def _scipy_solve(cost: torch.Tensor) -> torch.Tensor:
     return result.to(cost.device)
 
 
-class StaticShapeMatcher(HungarianMatcher):
-    """rfdetr's matcher cost + a fixed-shape assignment (see the module docstring).
+def _solve_and_park(cost: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    from spmd_rfdetr.matching import solve_assignment
 
-    :meth:`match_layers` solves several layers' matchings in ONE batched assignment (the criterion calls it through a
-    forward pre-hook, see :func:`build_criterion`); :meth:`forward` then hands each layer its share. One solver loop
-    per step instead of one per layer: its rounds run until the hardest problem of all layers is done (not the sum of
-    each layer's hardest), and there is one loop to trace and compile.
+    query_of_target, converged = solve_assignment(cost, valid)
+    return park_padding(query_of_target, valid, cost.shape[1]), converged
+
+
+def stack_targets(targets: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """rfdetr's list of padded per-image targets as one static batch's ``labels``/``boxes``/``valid``."""
+    if any("valid" not in t or t["boxes"].shape != targets[0]["boxes"].shape for t in targets):
+        raise ValueError("StaticShapeMatcher needs targets padded to one length with a 'valid' mask")
+    return {key: torch.stack([t[key] for t in targets]) for key in ("labels", "boxes", "valid")}
+
+
+class StaticShapeMatcher(HungarianMatcher):
+    """rfdetr's matcher cost + a fixed-shape assignment for whole batches (see the module docstring).
+
+    :meth:`assign` matches several layers at once (one solve); :meth:`forward` is upstream's per-layer interface
+    (list of per-image ``(query_index, target_index)`` pairs) for rfdetr's own ``SetCriterion.forward``.
     """
 
     def __init__(self, *args: Any, solver: Solver = "device", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.solver = solver
-        self.unconverged: torch.Tensor | None = None  # problems finished greedily since the last reset (device)
-        self._solved: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # id(pred_logits) -> indices
+        self.unconverged: Tensor | None = None  # problems finished greedily since the last reset (device)
+        self._solved: dict[int, list[tuple[Tensor, Tensor]]] = {}  # id(pred_logits) -> pairs (upstream's path)
 
-    def _problems(
-        self, outputs: dict[str, Any], targets: list[dict[str, torch.Tensor]], group_detr: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """rfdetr's cost as ``[B*G, Q/G, T]`` problems (image-major, one per image x group) and their ``valid``."""
-        batch, queries = outputs["pred_logits"].shape[:2]
-        slots = targets[0]["boxes"].shape[0]
-        if any("valid" not in t or t["boxes"].shape[0] != slots for t in targets):
-            raise ValueError("StaticShapeMatcher needs targets padded to one length with a 'valid' mask")
+    def cost(self, logits: Tensor, boxes: Tensor, targets: dict[str, Tensor]) -> Tensor:
+        """rfdetr's matching cost (``_compute_compact_detection_cost_matrix`` without its per-image padding and
+        concatenation) for ``logits [B, Q, C]``, ``boxes [B, Q, 4]`` and padded targets: ``[B, Q, T]``, padding columns
+        at rfdetr's padded-target cost."""
+        labels, target_boxes, valid = targets["labels"], targets["boxes"], targets["valid"]
+        batch, queries = logits.shape[:2]
+        class_cost = self._focal_classification_cost(
+            torch.gather(logits, 2, labels[:, None, :].expand(batch, queries, labels.shape[1]))
+        )
+        bbox_cost = self._resolve_l1_cost()(boxes, target_boxes)
+        giou_cost = -torch.vmap(generalized_box_iou)(box_cxcywh_to_xyxy(boxes), box_cxcywh_to_xyxy(target_boxes))
+        cost = self.cost_bbox * bbox_cost + self.cost_class * class_cost + self.cost_giou * giou_cost
+        padded = torch.full((), _PADDED_TARGET_COST, dtype=cost.dtype, device=cost.device)  # not an f64 scalar input
+        return torch.where(valid[:, None, :], cost, padded)
+
+    @torch.no_grad()
+    def assign(self, logits: Tensor, boxes: Tensor, targets: dict[str, Tensor], group_detr: int) -> Tensor:
+        """Match ``L`` layers at once: ``logits [B, L, Q, C]``, ``boxes [B, L, Q, 4]`` -> ``[B, L, G*T]`` int64, the
+        query of target slot ``t`` in group ``g`` at position ``g*T + t`` (rfdetr's group DETR: each group of
+        ``Q/G`` queries is matched on its own)."""
+        batch, layers, queries, _ = logits.shape
+        slots = targets["labels"].shape[1]
         per_group = queries // group_detr
         if slots > per_group:
             raise ValueError(f"max_targets={slots} exceeds the {per_group} queries per group; lower data.max_targets")
-        # rfdetr's cost, [Q, B*T] (padding columns already at its sentinel cost) -> [B, Q, T]
-        cost = self._compute_compact_detection_cost_matrix(outputs, targets).view(queries, batch, slots)
-        cost = cost.permute(1, 0, 2).reshape(batch * group_detr, per_group, slots)
-        valid = torch.stack([t["valid"] for t in targets]).repeat_interleave(group_detr, dim=0)
-        return cost, valid
+        cost = self.cost(logits.flatten(1, 2), boxes.flatten(1, 2), targets)  # [B, L*Q, T]
+        problems = cost.reshape(batch * layers * group_detr, per_group, slots)  # image-major: each device its own
+        valid = targets["valid"][:, None, :].expand(batch, layers * group_detr, slots).reshape(-1, slots)
+        query = self._solve(problems, valid).view(batch, layers, group_detr, slots)
+        offsets = torch.arange(group_detr, device=query.device)[:, None] * per_group
+        return (query + offsets).view(batch, layers, group_detr * slots)
 
     @torch._dynamo.disable  # the solver builds an XLA While loop with xla_builder: under torch.compile it runs lazily
-    def _solve(self, cost: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def _solve(self, cost: Tensor, valid: Tensor) -> Tensor:
         """``[P, Q, T]`` problems -> ``[P, T]`` query per target slot, injective per problem (padding parked)."""
         if self.solver == "scipy":
-            return _scipy_solve(cost)
-        from spmd_rfdetr.matching import solve_assignment
-
-        query_of_target, converged = solve_assignment(cost, valid)
+            return park_padding(_scipy_solve(cost), valid, cost.shape[1])
+        query_of_target, converged = on_each_shard(_solve_and_park, cost, valid)
         missed = (~converged).sum()
         self.unconverged = missed if self.unconverged is None else self.unconverged + missed
-        return park_padding(query_of_target, valid, cost.shape[1])
+        return query_of_target
 
     @torch.no_grad()
-    def match_layers(
-        self, layers: list[dict[str, Any]], targets: list[dict[str, torch.Tensor]], group_detr: int = 1
-    ) -> None:
-        """Solve the matchings of every layer in ``layers`` (same query count) in one assignment call.
-
-        The results wait, keyed by each layer's ``pred_logits`` tensor, for that layer's :meth:`forward` call.
-        Problems are stacked image-major (``[B*G, L, ...]``), so each device keeps solving its own images.
-        """
+    def match_layers(self, layers: list[dict[str, Any]], targets: list[dict[str, Tensor]], group_detr: int = 1) -> None:
+        """Solve every layer of ``layers`` (same shapes) in one :meth:`assign`; each layer's :meth:`forward` call
+        (from upstream's ``SetCriterion.forward``) then gets its share."""
         self._solved = {}
-        if not layers:
-            return
-        shapes = {tuple(layer["pred_logits"].shape) for layer in layers}
-        if len(shapes) != 1:  # layers of different query counts: leave them to per-layer forward calls
-            return
-        problems = [self._problems(layer, targets, group_detr) for layer in layers]
-        cost = torch.stack([c for c, _ in problems], dim=1).flatten(0, 1)  # [B*G*L, Q/G, T], image-major
-        valid = torch.stack([v for _, v in problems], dim=1).flatten(0, 1)
-        solved = self._solve(cost, valid).view(-1, len(layers), cost.shape[2])
-        batch, queries = layers[0]["pred_logits"].shape[:2]
+        if not layers or len({tuple(layer["pred_logits"].shape) for layer in layers}) != 1:
+            return  # layers of different query counts: left to per-layer forward calls
+        logits = torch.stack([layer["pred_logits"] for layer in layers], dim=1)
+        boxes = torch.stack([layer["pred_boxes"] for layer in layers], dim=1)
+        query = self.assign(logits, boxes, stack_targets(targets), group_detr)
         for k, layer in enumerate(layers):
-            pairs = _pairs(solved[:, k], batch, group_detr, queries // group_detr)
-            self._solved[id(layer["pred_logits"])] = pairs
+            self._solved[id(layer["pred_logits"])] = _pairs(query[:, k], group_detr)
 
     @torch.no_grad()
     def forward(  # type: ignore[override]
-        self, outputs: dict[str, Any], targets: list[dict[str, torch.Tensor]], group_detr: int = 1, **_: Any
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self, outputs: dict[str, Any], targets: list[dict[str, Tensor]], group_detr: int = 1, **_: Any
+    ) -> list[tuple[Tensor, Tensor]]:
         solved = self._solved.pop(id(outputs["pred_logits"]), None)
         if solved is not None:
             return solved
-        batch, queries = outputs["pred_logits"].shape[:2]
-        cost, valid = self._problems(outputs, targets, group_detr)
-        return _pairs(self._solve(cost, valid), batch, group_detr, queries // group_detr)
+        query = self.assign(outputs["pred_logits"][:, None], outputs["pred_boxes"][:, None], stack_targets(targets),
+                            group_detr)
+        return _pairs(query[:, 0], group_detr)
 
 
-def _pairs(
-    query_of_target: torch.Tensor, batch: int, group_detr: int, per_group: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``[B*G, T]`` per-group query indices -> rfdetr's per-image ``(query_index, target_index)`` pairs."""
-    slots, device = query_of_target.shape[1], query_of_target.device
-    offsets = torch.arange(group_detr, device=device).repeat(batch)[:, None] * per_group
-    query_index = (query_of_target + offsets).view(batch, group_detr * slots)
-    target_index = torch.arange(slots, device=device).repeat(group_detr)
-    return [(query_index[i], target_index) for i in range(batch)]
+def _pairs(query: Tensor, group_detr: int) -> list[tuple[Tensor, Tensor]]:
+    """``[B, G*T]`` query indices -> rfdetr's per-image ``(query_index, target_index)`` pairs."""
+    slots = query.shape[1] // group_detr
+    target_index = torch.arange(slots, device=query.device).repeat(group_detr)
+    return [(query[i], target_index) for i in range(query.shape[0])]
 
 
 def _match_all_layers(criterion: SetCriterion, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Forward pre-hook of the criterion: one batched matching for the final, auxiliary and encoder outputs.
-
-    The layers are the ones rfdetr's ``SetCriterion.forward`` matches, in its order; it then calls the matcher per
-    layer and gets the stored results.
-    """
+    """Forward pre-hook of upstream's criterion: one batched matching for the final, auxiliary and encoder outputs
+    (the layers rfdetr's ``SetCriterion.forward`` matches, in its order; it then asks the matcher layer by layer)."""
     outputs = args[0] if args else kwargs["outputs"]
     targets = args[1] if len(args) > 1 else kwargs["targets"]
+    criterion.matcher.match_layers(_layers(outputs), targets, group_detr=_groups(criterion))
+
+
+def _layers(outputs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The final, auxiliary and encoder outputs, in rfdetr's order."""
     layers = [outputs, *outputs.get("aux_outputs", [])]
     if "enc_outputs" in outputs:
         layers.append(outputs["enc_outputs"])
-    group_detr = criterion.group_detr if criterion.training else 1
-    criterion.matcher.match_layers(layers, targets, group_detr=group_detr)
+    return layers
 
 
-def build_criterion(upstream: SetCriterion, solver: Solver = "device") -> SetCriterion:
-    """rfdetr's criterion (same losses, weights, group DETR) with its matcher swapped for :class:`StaticShapeMatcher`.
+def _suffixes(outputs: dict[str, Any]) -> list[str]:
+    """rfdetr's loss-key suffix of each of :func:`_layers`."""
+    return ["", *(f"_{i}" for i in range(len(outputs.get("aux_outputs", []))))] + (
+        ["_enc"] if "enc_outputs" in outputs else [])
 
-    A forward pre-hook solves all layers' matchings in one call before rfdetr's forward asks for them layer by layer.
+
+def _groups(criterion: SetCriterion) -> int:
+    return criterion.group_detr if criterion.training else 1
+
+
+class StaticSetCriterion(torch.nn.Module):
+    """rfdetr's ``SetCriterion`` for static batches: ``criterion(outputs, batch)`` -> rfdetr's loss dict.
+
+    ``batch`` is a static batch (``labels [B, T]``, ``boxes [B, T, 4]``, ``valid [B, T]``); the keys and values are
+    those of upstream's ``SetCriterion.forward`` on the same padded targets (``loss_ce``, ``loss_bbox``,
+    ``loss_giou``, ``cardinality_error`` per layer with its suffix, ``class_error`` for the final layer).
     """
-    m = upstream.matcher
-    upstream.matcher = StaticShapeMatcher(
-        cost_class=m.cost_class, cost_bbox=m.cost_bbox, cost_giou=m.cost_giou, focal_alpha=m.focal_alpha, solver=solver
-    )
-    upstream.register_forward_pre_hook(_match_all_layers, with_kwargs=True)
-    return upstream
+
+    def __init__(self, upstream: SetCriterion, solver: Solver = "device") -> None:
+        super().__init__()
+        m = upstream.matcher
+        self.matcher = StaticShapeMatcher(cost_class=m.cost_class, cost_bbox=m.cost_bbox, cost_giou=m.cost_giou,
+                                          focal_alpha=m.focal_alpha, solver=solver)
+        upstream.matcher = self.matcher
+        upstream.register_forward_pre_hook(_match_all_layers, with_kwargs=True)
+        self.upstream = upstream
+        self.batched = solver == "device" and set(upstream.losses) == BATCHED_LOSSES and upstream.ia_bce_loss
+
+    @property
+    def weight_dict(self) -> dict[str, float]:
+        return self.upstream.weight_dict
+
+    def num_boxes(self, batch: dict[str, Tensor]) -> Tensor:
+        """rfdetr's loss normaliser for the (global) batch: real boxes, times ``group_detr`` in training unless its
+        ``sum_group_losses``, at least 1; a device tensor, no ``torch.distributed`` call."""
+        count = batch["valid"].sum().float()
+        if not self.upstream.sum_group_losses:
+            count = count * _groups(self.upstream)
+        return count.clamp(min=1.0)
+
+    def forward(self, outputs: dict[str, Any], batch: dict[str, Tensor], num_boxes: Tensor | None = None,
+                ) -> dict[str, Tensor]:
+        num_boxes = self.num_boxes(batch) if num_boxes is None else num_boxes
+        if not self.batched:
+            from spmd_rfdetr.data import targets_list
+
+            return self.upstream(outputs, targets_list(batch), num_boxes=num_boxes)
+        layers, suffixes = _layers(outputs), _suffixes(outputs)
+        losses: dict[str, Tensor] = {}
+        for shape in dict.fromkeys(tuple(layer["pred_logits"].shape) for layer in layers):  # usually all one shape
+            index = [k for k, layer in enumerate(layers) if tuple(layer["pred_logits"].shape) == shape]
+            logits = torch.stack([layers[k]["pred_logits"] for k in index], dim=1)
+            boxes = torch.stack([layers[k]["pred_boxes"] for k in index], dim=1)
+            query = self.matcher.assign(logits.detach(), boxes.detach(), batch, _groups(self.upstream))
+            terms = detection_losses(logits, boxes, query, batch, num_boxes, self.upstream.focal_alpha)
+            for j, k in enumerate(index):
+                losses.update({name + suffixes[k]: value[j] for name, value in terms.items() if name != "class_error"})
+                if k == 0:
+                    losses["class_error"] = terms["class_error"][j]
+        return losses
 
 
-def total_loss(loss_dict: dict[str, torch.Tensor], weight_dict: dict[str, float]) -> torch.Tensor:
+def detection_losses(logits: Tensor, boxes: Tensor, query: Tensor, batch: dict[str, Tensor], num_boxes: Tensor,
+                     focal_alpha: float) -> dict[str, Tensor]:
+    """rfdetr's ``loss_labels`` (IoU-aware BCE), ``loss_boxes`` and ``loss_cardinality`` for ``L`` layers at once.
+
+    ``logits [B, L, Q, C]``, ``boxes [B, L, Q, 4]``, ``query [B, L, M]`` (M = G*T matches per image, match ``m`` is
+    target slot ``m % T``). Returns ``[L]`` tensors: ``loss_ce``, ``loss_bbox``, ``loss_giou``, ``cardinality_error``
+    and ``class_error``. The same arithmetic as upstream's per-layer methods with the ``valid`` mask (a padding pair's
+    query keeps its plain negative weight and adds nothing else); matched entries are gathered and scattered along the
+    query axis of each image, so a batch split over devices stays local.
+    """
+    batch_size, layers, queries, classes = logits.shape
+    matches = query.shape[2]
+    repeat = matches // batch["labels"].shape[1]
+    labels = batch["labels"].repeat(1, repeat)[:, None, :].expand(batch_size, layers, matches)
+    valid = batch["valid"].repeat(1, repeat)[:, None, :].expand(batch_size, layers, matches).to(logits.dtype)
+    target_boxes = batch["boxes"].repeat(1, repeat, 1)[:, None].expand(batch_size, layers, matches, 4)
+    layer_rows = query + torch.arange(layers, device=query.device)[:, None] * queries  # rows of [B, L*Q, ...]
+    src_boxes = take_rows(boxes.reshape(batch_size, layers * queries, 4), layer_rows.flatten(1))
+    src_boxes = src_boxes.view(batch_size, layers, matches, 4)
+    src_xyxy = box_cxcywh_to_xyxy(src_boxes).reshape(-1, 4)
+    target_xyxy = box_cxcywh_to_xyxy(target_boxes).reshape(-1, 4)
+
+    scores = logits.reshape(batch_size, layers, queries * classes)
+    prob = scores.sigmoid()
+    entry = query * classes + labels  # (query, class) of each match, one index per image row
+    ious, _ = elementwise_box_iou(box_cxcywh_to_xyxy(src_boxes.detach()).reshape(-1, 4), target_xyxy)
+    t = prob.gather(2, entry).pow(focal_alpha) * ious.reshape(entry.shape).detach().pow(1 - focal_alpha)
+    t = torch.clamp(t, 0.01).detach()
+    positive, matched, target = on_each_shard(_scatter_matches, prob.detach(), entry, t, valid)
+    negative = torch.where(matched > 0, 1 - target, prob**_GAMMA)
+    loss_ce = (negative * scores - F.logsigmoid(scores) * (positive + negative)).sum(dim=(0, 2)) / num_boxes
+
+    loss_bbox = (F.l1_loss(src_boxes, target_boxes, reduction="none") * valid[..., None]).sum(dim=(0, 2, 3)) / num_boxes
+    giou = elementwise_generalized_box_iou(src_xyxy, target_xyxy).reshape(entry.shape)
+    loss_giou = ((1 - giou) * valid).sum(dim=(0, 2)) / num_boxes
+
+    with torch.no_grad():
+        real = batch["valid"].sum(dim=1).float()[:, None]  # [B, 1]
+        predicted = (prob.view(batch_size, layers, queries, classes).max(-1).values > 0.5).sum(2).float()
+        cardinality_error = (predicted - real).abs().mean(dim=0)
+        picked = take_rows(logits.reshape(batch_size, layers * queries, classes), layer_rows.flatten(1))
+        picked = picked.view(batch_size, layers, matches, classes).argmax(-1)
+        correct = (picked == labels).to(valid.dtype)
+        class_error = 100 - 100 * (correct * valid).sum(dim=(0, 2)) / valid.sum(dim=(0, 2)).clamp(min=1)
+    return {"loss_ce": loss_ce, "loss_bbox": loss_bbox, "loss_giou": loss_giou,
+            "cardinality_error": cardinality_error, "class_error": class_error}
+
+
+def _scatter_matches(prob: Tensor, entry: Tensor, t: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Dense ``[B, L, Q*C]`` maps of the matches (each image's own rows): rfdetr's positive weight ``t * valid``,
+    whether a real target is matched there, and ``t``. Entries are distinct (queries are matched once)."""
+    zeros = torch.zeros_like(prob)
+    return zeros.scatter(2, entry, t * valid), zeros.scatter(2, entry, valid), zeros.scatter(2, entry, t)
+
+
+def build_criterion(upstream: SetCriterion, solver: Solver = "device") -> StaticSetCriterion:
+    """rfdetr's criterion (same losses, weights, group DETR) for static batches, with :class:`StaticShapeMatcher`."""
+    return StaticSetCriterion(upstream, solver)
+
+
+def total_loss(loss_dict: dict[str, Tensor], weight_dict: dict[str, float]) -> Tensor:
     """The weighted sum rfdetr's training step backpropagates."""
     return torch.stack([loss_dict[k] * weight_dict[k] for k in loss_dict if k in weight_dict]).sum()

@@ -13,6 +13,10 @@ Rules the traced function must follow (checked where they can be):
 - Every per-step value is a device tensor. A Python number becomes a graph constant frozen at trace time;
   :meth:`Replayer.check` traces a second step and compares the graph hash and every constant's value.
 - The RNG seed is a graph input advanced per replay, as the dynamo bridge does.
+The state tensors a program updates are donated to it (XLA input/output aliasing): each is updated in place, so the
+weights, AdamW moments, EMA, learning rates and counters do not exist twice while the step runs. A donated buffer is
+gone after the replay; the state tensors hold the results, so only an outside reference to the old data (a
+``.detach()`` taken before the step) would notice.
 A batch with another signature (shapes, dtypes, shardings) is traced and compiled as a new program, never run on the
 wrong one.
 """
@@ -64,6 +68,11 @@ class Program:
 
     def constants(self) -> list[torch.Tensor]:
         return [value for kind, value in self.slots if kind == "const"]
+
+    def donated(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The graph inputs whose buffers the program may reuse for its outputs: the state tensors it updates."""
+        written = {id(t) for t in self.targets if t is not None}
+        return [value for (kind, tensor), value in zip(self.slots, inputs) if kind == "state" and id(tensor) in written]
 
     def inputs(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """This replay's graph inputs: the state as it is now, the batch, a fresh RNG seed."""
@@ -133,7 +142,7 @@ class Replayer:
         second, inputs, outputs = self.trace(batch)
         problem = _difference(first, second)
         if problem:
-            _X._xla_warm_up_cache(outputs, [])
+            _compile(second, inputs, outputs)
             self.programs[key] = second
             return self._run(second, inputs), problem
         # The same graph: the compiled program, with this trace's inputs and output tensors (its gradients are new).
@@ -145,22 +154,36 @@ class Replayer:
         except RuntimeError as error:
             if not _evicted(error):
                 raise
-            _X._xla_warm_up_cache(outputs, [])  # the first program left the cache: compile this trace's
+            _compile(second, inputs, outputs)  # the first program left the cache: compile this trace's
             program, result = second, self._run(second, inputs)
         self.programs[key] = program
         return result, ""
 
     def precompile(self, batch: dict[str, torch.Tensor]) -> bool:
         """Compile the program for this batch's signature now without running it, and leave the state as it was
-        (a multi-scale run compiles every bucket before step 1). False if the signature has a program already.
+        (a multi-scale run compiles every bucket before step 1). False if the signature has a program already."""
+        key = signature(batch)
+        if key in self.programs:
+            return False
+        self.programs[key] = self._trace_aside(batch, _compile)
+        return True
+
+    def lower(self, batch: dict[str, torch.Tensor], name: str = "train_step") -> tuple[bytes, list[int]]:
+        """This batch's program as torch_xla would compile it (see :func:`lower`), for an ahead-of-time compiler;
+        nothing compiles or runs and the state is left as it was."""
+        lowered: list[tuple[bytes, list[int]]] = []
+        self._trace_aside(batch, lambda program, inputs, outputs: lowered.append(
+            lower(outputs, program.donated(inputs), name)))
+        return lowered[0]
+
+    def _trace_aside(self, batch: dict[str, torch.Tensor],
+                     use: Callable[[Program, list[torch.Tensor], list[torch.Tensor]], None]) -> Program:
+        """Trace the step, hand (program, inputs, outputs) to ``use``, then put the state back as it was before.
 
         The trace writes pending results into the state; afterwards each state tensor gets its pre-trace device data
         back (wrapped before the trace: tensors the step only writes, such as the learning rates, are no graph input
         to take it from) and the RNG seed its value. Outputs that are no state tensor (e.g. gradients the trace
         created) are not kept: replaying this program leaves them out."""
-        key = signature(batch)
-        if key in self.programs:
-            return False
         torch_xla.sync()
         before = list({id(t): t for t in self.state()}.values())
         replicate_unannotated(before)
@@ -175,19 +198,18 @@ class Replayer:
             for (kind, tensor), value in zip(program.slots, inputs):
                 if kind == "state" and _X._xla_get_tensor_id(value) != _X._xla_get_tensor_id(tensor):
                     restore[id(tensor)] = (tensor, value)
-            _X._xla_warm_up_cache(outputs, [])  # compile (or find in the cache); nothing executes
+            use(program, inputs, outputs)
         finally:
             for tensor, data in restore.values():
                 tensor.data = data
             xm.set_rng_state(seed, device)
         kept = {id(t) for t in before}
         program.targets = [t if t is not None and id(t) in kept else None for t in program.targets]
-        self.programs[key] = program
-        return True
+        return program
 
     def _trace_and_compile(self, batch: dict[str, torch.Tensor]) -> tuple[Program, list[torch.Tensor]]:
         program, inputs, outputs = self.trace(batch)
-        _X._xla_warm_up_cache(outputs, [])  # compile (or find in the cache); nothing executes
+        _compile(program, inputs, outputs)
         self.programs[signature(batch)] = program
         return program, inputs
 
@@ -248,6 +270,38 @@ class Replayer:
                 target.data = value  # not _replace_xla_tensor: that keeps the old tensor id, and the data's own id
                 # would no longer match it in a later trace
         return results[program.result_index]
+
+
+def _compile(program: Program, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+    """Compile the traced graph (or find it in the cache) without running it, donating the state it updates.
+
+    torch_xla aliases buffers only at a full ``torch_xla.sync()`` on its own; for a compile-only warm-up it does so
+    for inputs marked for donation while its buffer-donor config is on (what its dynamo bridge does). The donors are
+    part of the graph hash, so the program's hash is taken again under the same config. Every execution of the
+    compiled program then donates those inputs (PJRT follows the executable's aliasing)."""
+    from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
+
+    donated = program.donated(inputs)
+    for value in donated:
+        _X._set_buffer_donation(value, True)
+    try:
+        with alias_with_buffer_donor_config():
+            program.graph_hash = _X._get_graph_hash(outputs)
+            _X._xla_warm_up_cache(outputs, [])  # nothing executes
+    finally:  # the program donates them now; marked, a later torch_xla.sync() reading them would donate them too
+        for value in donated:
+            _X._set_buffer_donation(value, False)
+
+
+def lower(outputs: list[torch.Tensor], donated: list[torch.Tensor] = (), name: str = "program",
+          ) -> tuple[bytes, list[int]]:
+    """The HLO module torch_xla would compile for the pending ``outputs`` (a serialized ``HloModuleProto``, GSPMD
+    shardings annotated as torch_xla's own compile does) and the parameter numbers of the ``donated`` graph inputs,
+    for an ahead-of-time compiler; nothing compiles or runs here."""
+    ctx = _X.lowering.LoweringContext(name)
+    ctx.build(list(outputs))
+    donors = {ctx.tensor_parameter_id(value) for value in donated}
+    return ctx.hlo(), sorted(i for i in donors if i >= 0)
 
 
 def _evicted(error: RuntimeError) -> bool:

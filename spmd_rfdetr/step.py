@@ -23,10 +23,8 @@ from typing import Any, ContextManager, Literal
 
 import torch
 import torch_xla
-from rfdetr.models.criterion import SetCriterion
 from rfdetr.utilities.tensors import NestedTensor
 
-from spmd_rfdetr.data import targets_list
 from spmd_rfdetr.loss import total_loss
 from spmd_rfdetr.replay import Replayer, ReplayUnsafe, replicate_unannotated
 
@@ -43,19 +41,20 @@ def as_samples(images: torch.Tensor) -> NestedTensor:
 
 def forward_loss(
     model: torch.nn.Module,
-    criterion: SetCriterion,
+    criterion: torch.nn.Module,
     batch: dict[str, torch.Tensor],
     autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     num_boxes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward + criterion: (weighted total loss, rfdetr's loss dict). The loss is computed in fp32.
 
+    ``criterion(outputs, batch)`` takes the static batch itself (:class:`~spmd_rfdetr.loss.StaticSetCriterion`);
     ``num_boxes``: rfdetr's loss normaliser, when it is not this batch's own box count (accumulation)."""
     with autocast():
         outputs = model(as_samples(batch["images"]))
     outputs = _to_float(outputs)
     extra = {} if num_boxes is None else {"num_boxes": num_boxes}  # a criterion without rfdetr's override works too
-    loss_dict = criterion(outputs, targets_list(batch), **extra)
+    loss_dict = criterion(outputs, batch, **extra)
     return total_loss(loss_dict, criterion.weight_dict), loss_dict
 
 
@@ -107,7 +106,7 @@ class TrainStep:
     def __init__(
         self,
         model: torch.nn.Module,
-        criterion: SetCriterion,
+        criterion: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
         clip_max_norm: float,
@@ -189,7 +188,7 @@ class TrainStep:
         with torch.no_grad():
             self.steps_done.add_(1)
         if guard:
-            self._keep_if_finite(torch.isfinite(loss.detach()) & torch.isfinite(grad_norm.detach()), updated, before)
+            self._keep_if_finite(_finite(loss.detach()) & _finite(grad_norm.detach()), updated, before)
         if self.schedule is not None:
             self.schedule.step()  # next step's learning rates, inside this graph
         if self.ema is not None and self.mode != "openxla":
@@ -228,7 +227,7 @@ class TrainStep:
         torch_xla.sync()  # the copies exist before dynamo's graph updates (and may donate) the originals
         stats = self._compiled(batch)
         names = self.stat_names
-        finite = torch.isfinite(stats[names.index("loss")]) & torch.isfinite(stats[names.index("grad_norm")])
+        finite = _finite(stats[names.index("loss")]) & _finite(stats[names.index("grad_norm")])
         self._keep_if_finite(finite, updated, before)
         stats = stats.clone()
         stats[names.index("nonfinite_steps")] = self.nonfinite_steps
@@ -243,7 +242,7 @@ class TrainStep:
             loss, loss_dict = forward_loss(self.model, self.criterion, batch, self.autocast)
             loss.backward()
             return loss, loss_dict
-        num_boxes = self.criterion.num_boxes_for_targets({"boxes": batch["boxes"]}, targets_list(batch))
+        num_boxes = self.criterion.num_boxes(batch)
         loss, loss_dict = torch.zeros((), device=batch["boxes"].device), {}
         for micro in micro_batches(batch, self.accumulate, self.batch_shards):
             part, part_dict = forward_loss(self.model, self.criterion, micro, self.autocast, num_boxes=num_boxes)
@@ -288,6 +287,16 @@ class TrainStep:
             for param, grad in grads:  # the trace's gradients are not the model's
                 param.grad = grad
 
+    def lower(self, batch: dict[str, torch.Tensor]) -> tuple[bytes, list[int]]:
+        """The replayed program for this batch's signature as HLO for an ahead-of-time compiler (``aot`` verb), and
+        its donated parameters; nothing compiles or runs, the weights and optimizer state stay as they were."""
+        grads = [(p, p.grad) for p in self.model.parameters()]
+        try:
+            return self._replayer.lower(batch)
+        finally:
+            for param, grad in grads:
+                param.grad = grad
+
     @property
     def traces(self) -> int:
         """How many times the step's Python has run (replay: once per batch signature, plus the check)."""
@@ -308,6 +317,12 @@ class TrainStep:
     def read(self, stats: torch.Tensor) -> dict[str, float]:
         """Bring a step's stats to the host (one device->host transfer; only at log points)."""
         return dict(zip(self.stat_names, stats.cpu().tolist()))
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """``torch.isfinite(x)``: ``x - x`` is 0 unless ``x`` is inf or NaN. torch_xla compares with an f64 infinity
+    passed in as a graph input (TPUs have no f64)."""
+    return (x - x) == 0
 
 
 @torch.no_grad()

@@ -63,10 +63,11 @@ def test_all_layers_in_one_solve_equal_per_layer_and_scipy() -> None:
 
 
 def test_criterion_matches_all_layers_in_one_solve_with_upstream_losses() -> None:
-    """rfdetr's SetCriterion with our matcher: one solve for final + aux + encoder, the losses of upstream's criterion
-    (SciPy matcher, unpadded targets), eager CPU."""
+    """Our criterion on a padded static batch, batched over images and layers (and through upstream's own
+    ``SetCriterion.forward`` with the SciPy solver): one solve for final + aux + encoder, the losses and gradients of
+    upstream's criterion (its SciPy matcher, unpadded targets), eager CPU."""
     from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions
-    from spmd_rfdetr.loss import build_criterion
+    from spmd_rfdetr.loss import build_criterion, stack_targets, total_loss
     from spmd_rfdetr.model import build_upstream_criterion, upstream_configs
 
     cfgs = upstream_configs(ModelOptions(resolution=128, num_queries=10, group_detr=2, dec_layers=3),
@@ -83,13 +84,26 @@ def test_criterion_matches_all_layers_in_one_solve_with_upstream_losses() -> Non
                "valid": torch.arange(4) < k} for k in counts]
     real = [{"labels": t["labels"][:k], "boxes": t["boxes"][:k]} for t, k in zip(padded, counts)]
 
-    ours = build_criterion(build_upstream_criterion(cfgs)[0]).train()
-    solves = []
-    solve = ours.matcher._solve
-    ours.matcher._solve = lambda cost, valid: solves.append(tuple(cost.shape)) or solve(cost, valid)
-    got = ours(outputs, padded)
-    assert solves == [(batch * 2 * 4, queries // 2, 4)], solves  # B x group_detr x 4 layers, in one call
-    reference = build_upstream_criterion(cfgs)[0].train()(outputs, real)
-    assert set(got) == set(reference)
-    for key in reference:
-        assert torch.allclose(got[key], reference[key], atol=1e-5, rtol=1e-5), (key, got[key], reference[key])
+    leaves = [outputs["pred_logits"], outputs["pred_boxes"], outputs["aux_outputs"][0]["pred_boxes"],
+              outputs["enc_outputs"]["pred_logits"]]
+    for leaf in leaves:
+        leaf.requires_grad_()
+    upstream = build_upstream_criterion(cfgs)[0].train()
+    reference = upstream(outputs, real)
+    expected = torch.autograd.grad(total_loss(reference, upstream.weight_dict), leaves)
+    for solver in ("device", "scipy"):  # the batched losses, and upstream's own SetCriterion.forward
+        ours = build_criterion(build_upstream_criterion(cfgs)[0], solver=solver).train()
+        assert ours.batched == (solver == "device")
+        solves = []
+        solve = ours.matcher._solve
+        ours.matcher._solve = lambda cost, valid: solves.append(tuple(cost.shape)) or solve(cost, valid)
+        got = ours(outputs, stack_targets(padded))
+        assert solves == [(batch * 2 * 4, queries // 2, 4)], solves  # B x group_detr x 4 layers, in one call
+        assert set(got) == set(reference)
+        for key in reference:
+            assert torch.allclose(got[key], reference[key], atol=1e-5, rtol=1e-5), (solver, key, got[key],
+                                                                                   reference[key])
+        grads = torch.autograd.grad(total_loss(got, ours.weight_dict), leaves)
+        for g, e in zip(grads, expected):
+            assert torch.allclose(g, e, atol=1e-6, rtol=1e-5), (solver, (g - e).abs().max())
+

@@ -101,9 +101,8 @@ class ToyCriterion(torch.nn.Module):
         super().__init__()
         self.matcher, self.weight_dict, self.bake, self.calls = object(), {"loss_bbox": 1.0}, bake, 0
 
-    def forward(self, outputs, targets):
-        boxes = torch.stack([t["boxes"][0] for t in targets])
-        loss = (outputs["pred_boxes"][:, 0] - boxes).abs().mean() + outputs["pred_logits"].pow(2).mean()
+    def forward(self, outputs, batch):
+        loss = (outputs["pred_boxes"][:, 0] - batch["boxes"][:, 0]).abs().mean() + outputs["pred_logits"].pow(2).mean()
         if self.bake:
             self.calls += 1
             loss = loss * (1.0 + 0.25 * self.calls)  # a per-step Python value: frozen by a replayed program

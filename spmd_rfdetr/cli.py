@@ -18,6 +18,7 @@ from typing import Any
 from jsonargparse import CLI, ArgumentParser, set_parsing_settings
 
 from spmd_rfdetr import checks, loop
+from spmd_rfdetr.aot.check import DoesNotFit
 from spmd_rfdetr.loop import NonFiniteLoss
 from spmd_rfdetr.config import (
     ConfigError,
@@ -122,6 +123,52 @@ def plan(
     if unknown:
         raise ConfigError(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
     print(format_plan(memory_plan(mesh, variants or VARIANTS, model.num_classes), mesh), flush=True)
+
+
+def aot(
+    topology: str,
+    json: str | None = None,
+    max_batch: bool = False,
+    headroom: float = 0.1,
+    keep: str | None = None,
+    model: ModelOptions = ModelOptions(),
+    data: DataOptions = DataOptions(),
+    optim: OptimOptions = OptimOptions(),
+    mesh: MeshOptions = MeshOptions(),
+    trainer: TrainerOptions = TrainerOptions(),
+    eval: EvalOptions = EvalOptions(),
+    checkpointing: CheckpointOptions = CheckpointOptions(),
+) -> None:
+    """Compile the programs ``fit`` runs (the training step for each batch shape, the eval forward) for a TPU topology
+    with the real TPU compiler (libtpu, the ``aot`` extra), on this machine: no TPU needed. Prints per program whether
+    it fits, HBM per chip, FLOPs and bytes per step, a roofline time, collectives and compile time.
+
+    Args:
+        topology: TPU slice, ``<chip>:<shape>`` (``v5e:1x1``, ``v5e:2x4``, ``v6e:2x4``, ``v4:2x2x1``, ``v5p:2x2x1``,
+            ``v3:2x2``) or a Cloud name (``v5litepod-8``, ``v3-8``).
+        json: Also write the whole report (per program: memory, cost, collectives, largest byte movers) here.
+        max_batch: Search ``data.per_device_batch_size`` for the largest training step that compiles (one compile
+            per probe), and the largest that leaves ``headroom`` of HBM free.
+        headroom: Fraction of HBM a recipe should leave free (``--max-batch``).
+        keep: Keep the HLO modules and the compiler's results in this directory (default: a temporary one).
+        model: Which RF-DETR to build (``num_classes``: else the dataset's, else rfdetr's default).
+        data: Batch shapes (``per_device_batch_size`` or ``global_batch_size``, ``max_targets``, multi-scale).
+        optim: As ``fit`` (``accumulate`` changes the program).
+        mesh: The mesh over the topology's devices (``data`` x ``fsdp``).
+        trainer: ``precision`` and the step options ``fit`` would use.
+        eval: Eval batch size and detections per image (the eval program).
+        checkpointing: Accepted so a training config can be passed as is.
+    """
+    from spmd_rfdetr.aot.check import aot_check
+
+    cfg = RunConfig(
+        model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing
+    )
+    report = aot_check(cfg, topology, json, max_batch, headroom, keep)
+    if max_batch:
+        found = report["max_batch"]
+        print(f"aot: largest data.per_device_batch_size that compiles on {report['topology']}: {found['largest']}; "
+              f"with {found['headroom']:.0%} of HBM free: {found['largest_with_headroom']}", flush=True)
 
 
 def validate(
@@ -252,7 +299,7 @@ def main(args: list[str] | None = None) -> None:
     argv = [a for a in argv if a != "--debug"]
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     verbs = {"fit": fit, "check-data": check_data, "validate": validate, "predict": predict, "export": export,
-             "synth": synth, "plan": plan}
+             "synth": synth, "plan": plan, "aot": aot}
     try:
         CLI(verbs, args=argv, as_positional=False, parser_class=_Parser)
     except USER_ERRORS as error:
@@ -261,6 +308,9 @@ def main(args: list[str] | None = None) -> None:
         verb = next((a for a in argv if a in verbs), "")
         help_hint = f"python -m spmd_rfdetr {verb} --help".replace("  ", " ")
         print(f"error: {error}\n({help_hint} lists the options; --debug shows the traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
+    except DoesNotFit as error:  # the TPU compiler's verdict on the config: the user lowers the batch
+        print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     except NonFiniteLoss as error:  # not the user's input: the run itself went bad; its checkpoints are intact
         if debug:

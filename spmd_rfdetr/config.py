@@ -7,6 +7,7 @@ help text, so every field below carries one.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Literal
@@ -37,7 +38,7 @@ class ModelOptions:
     (``$RF_HOME``, default ``~/.roboflow/models``) unless it is there already. A class head of another size is resized
     to ``num_classes`` by rfdetr's own loader."""
     ema: bool = True
-    """Keep an exponential moving average of the weights inside the compiled step (rfdetr's ``ModelEma``, on by
+    """Keep an exponential moving average of the weights inside the compiled step (upstream's trainer's EMA, on by
     default as upstream). Evaluation, ``best.pth``, ``last.pth`` and exports then use the EMA weights."""
     ema_decay: float = 0.993
     """EMA decay (rfdetr's ``ema_decay``)."""
@@ -259,8 +260,14 @@ def _warn_once(message: str) -> None:
         logging.getLogger(__name__).warning(message)
 
 
+#: Set by the ``aot`` verb for its trace child: the device type its virtual CPU mesh stands in for.
+TRACED_FOR_ENV = "SPMD_RFDETR_TRACED_FOR"
+
+
 def _backend() -> str | None:
     """The XLA device type (``CPU``, ``TPU`` ...) when torch_xla's runtime is already loaded, else ``None``."""
+    if os.environ.get(TRACED_FOR_ENV):
+        return os.environ[TRACED_FOR_ENV]
     if "torch_xla.runtime" not in sys.modules:
         return None
     import torch_xla.runtime as xr

@@ -168,10 +168,10 @@ class Replayer:
         self.programs[key] = self._trace_aside(batch, _compile)
         return True
 
-    def lower(self, batch: dict[str, torch.Tensor], name: str = "train_step") -> tuple[bytes, list[int]]:
+    def lower(self, batch: dict[str, torch.Tensor], name: str = "train_step") -> Lowered:
         """This batch's program as torch_xla would compile it (see :func:`lower`), for an ahead-of-time compiler;
         nothing compiles or runs and the state is left as it was."""
-        lowered: list[tuple[bytes, list[int]]] = []
+        lowered: list[Lowered] = []
         self._trace_aside(batch, lambda program, inputs, outputs: lowered.append(
             lower(outputs, program.donated(inputs), name)))
         return lowered[0]
@@ -293,15 +293,24 @@ def _compile(program: Program, inputs: list[torch.Tensor], outputs: list[torch.T
             _X._set_buffer_donation(value, False)
 
 
-def lower(outputs: list[torch.Tensor], donated: list[torch.Tensor] = (), name: str = "program",
-          ) -> tuple[bytes, list[int]]:
-    """The HLO module torch_xla would compile for the pending ``outputs`` (a serialized ``HloModuleProto``, GSPMD
-    shardings annotated as torch_xla's own compile does) and the parameter numbers of the ``donated`` graph inputs,
+@dataclass
+class Lowered:
+    """A traced program as HLO: a serialized ``HloModuleProto`` (GSPMD shardings annotated as torch_xla's own compile
+    does), the parameter numbers of its donated inputs, and its instruction count."""
+
+    hlo: bytes
+    donors: list[int]
+    instructions: int
+
+
+def lower(outputs: list[torch.Tensor], donated: list[torch.Tensor] = (), name: str = "program") -> Lowered:
+    """The HLO module torch_xla would compile for the pending ``outputs``, with the ``donated`` graph inputs marked,
     for an ahead-of-time compiler; nothing compiles or runs here."""
     ctx = _X.lowering.LoweringContext(name)
     ctx.build(list(outputs))
     donors = {ctx.tensor_parameter_id(value) for value in donated}
-    return ctx.hlo(), sorted(i for i in donors if i >= 0)
+    instructions = sum(1 for line in ctx.hlo_text().splitlines() if line.strip() == "instructions {")
+    return Lowered(ctx.hlo(), sorted(i for i in donors if i >= 0), instructions)
 
 
 def _evicted(error: RuntimeError) -> bool:

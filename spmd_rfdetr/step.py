@@ -26,7 +26,7 @@ import torch_xla
 from rfdetr.utilities.tensors import NestedTensor
 
 from spmd_rfdetr.loss import total_loss
-from spmd_rfdetr.replay import Replayer, ReplayUnsafe, replicate_unannotated
+from spmd_rfdetr.replay import Lowered, Replayer, ReplayUnsafe, replicate_unannotated
 
 log = logging.getLogger(__name__)
 
@@ -287,8 +287,8 @@ class TrainStep:
             for param, grad in grads:  # the trace's gradients are not the model's
                 param.grad = grad
 
-    def lower(self, batch: dict[str, torch.Tensor]) -> tuple[bytes, list[int]]:
-        """The replayed program for this batch's signature as HLO for an ahead-of-time compiler (``aot`` verb), and
+    def lower(self, batch: dict[str, torch.Tensor]) -> Lowered:
+        """The replayed program for this batch's signature as HLO for an ahead-of-time compiler (``aot`` verb), with
         its donated parameters; nothing compiles or runs, the weights and optimizer state stay as they were."""
         grads = [(p, p.grad) for p in self.model.parameters()]
         try:

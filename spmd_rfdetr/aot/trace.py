@@ -1,0 +1,145 @@
+"""The programs ``fit`` runs, traced on a virtual XLA CPU mesh and written as HLO for the TPU compiler.
+
+``python -m spmd_rfdetr.aot.trace CONFIG.yaml DIR [--train-only]`` runs in a process whose XLA runtime has as many
+virtual CPU devices as the TPU topology has devices (the ``aot`` verb starts it so; a module traced on fewer devices
+cannot be compiled for more). It builds the trainer exactly as ``fit`` does (:func:`~spmd_rfdetr.build.build_trainer`
+on the config's mesh and precision), then for every batch shape ``fit`` would train on (``model.resolution``, or each
+multi-scale bucket) traces the replayed training step on a blank batch of that shape and lowers it to the HLO module
+torch_xla compiles, with the training state it updates marked for donation (:meth:`~spmd_rfdetr.step.TrainStep.lower`);
+and the eval forward + post-processing on a blank eval batch (traced lazily here; ``fit`` compiles the same forward
+with ``torch.compile(backend="openxla")``). Nothing is compiled for the CPU or run: a few tiny set-up graphs (AdamW
+state, copies of the weights) are all that execute. ``XLA_HLO_DEBUG=1`` (set by the verb) puts the Python source
+line of every op into the HLO metadata, so the compiler's report can name the line that causes a collective.
+
+Writes ``DIR/programs.json`` (the interface of :mod:`spmd_rfdetr.aot.tpu_compile`) and one ``.hlo.pb`` per program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from spmd_rfdetr.config import (
+    CheckpointOptions,
+    DataOptions,
+    EvalOptions,
+    MeshOptions,
+    ModelOptions,
+    OptimOptions,
+    RunConfig,
+    TrainerOptions,
+    multi_scale_buckets,
+    resolve_and_check,
+)
+
+log = logging.getLogger(__name__)
+
+_SECTIONS = {"model": ModelOptions, "data": DataOptions, "optim": OptimOptions, "mesh": MeshOptions,
+             "trainer": TrainerOptions, "eval": EvalOptions, "checkpointing": CheckpointOptions}
+
+
+def config_to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+
+
+def config_from_yaml(text: str) -> RunConfig:
+    values = yaml.safe_load(text)
+    return RunConfig(**{name: cls(**values[name]) for name, cls in _SECTIONS.items()})
+
+
+def _num_classes(cfg: RunConfig) -> int:
+    """``model.num_classes``, else the dataset's (as ``fit`` reads it), else rfdetr's default for the variant."""
+    if cfg.model.num_classes:
+        return cfg.model.num_classes
+    if (Path(cfg.data.dataset_dir) / "train").is_dir():
+        from spmd_rfdetr.data import num_classes_in
+
+        return num_classes_in(cfg.data.dataset_dir)
+    from spmd_rfdetr.model import VARIANTS
+
+    default = int(VARIANTS[cfg.model.variant].model_fields["num_classes"].default)
+    log.info("no dataset at %s: tracing with rfdetr's default of %d classes (set --model.num_classes)",
+             cfg.data.dataset_dir, default)
+    return default
+
+
+def trace_programs(cfg: RunConfig, out: Path, train_only: bool = False) -> list[dict[str, Any]]:
+    """Trace and lower ``fit``'s programs for ``cfg`` into ``out``; returns the ``programs.json`` entries."""
+    from spmd_rfdetr.runtime import PRECISIONS, setup_runtime
+
+    setup_runtime(cfg.mesh)
+    import torch
+    import torch_xla.runtime as xr
+
+    from spmd_rfdetr.build import build_trainer
+    from spmd_rfdetr.data import blank_batch
+    from spmd_rfdetr.evaluate import EvalForward, eval_sizes
+    from spmd_rfdetr.fabric import spmd_fabric
+    from spmd_rfdetr.mesh import build_mesh
+    from spmd_rfdetr.model import upstream_configs
+    from spmd_rfdetr.replay import lower
+
+    devices = xr.global_runtime_device_count()
+    resolve_and_check(cfg, devices)
+    t, d = cfg.trainer, cfg.data
+    fabric = spmd_fabric(build_mesh(cfg.mesh.data, cfg.mesh.fsdp), precision=PRECISIONS[t.precision])
+    fabric.seed_everything(t.seed)
+    cfgs = upstream_configs(cfg.model, d, cfg.optim, _num_classes(cfg))
+    trainer = build_trainer(fabric, cfgs, cfg.optim, t, ema=cfg.model, mesh=cfg.mesh)
+    if trainer.step.mode != "replay":
+        raise ValueError(f"the aot check compiles the replayed training step; this config runs it in "
+                         f"{trainer.step.mode!r} mode (trainer.step_mode / trainer.matcher / trainer.compile_backend)")
+    place = fabric.strategy.process_dataloader(torch.utils.data.DataLoader([])).place
+    sizes = multi_scale_buckets(cfg) or [cfgs.model.resolution]
+    if train_only:
+        sizes = [max(sizes)]
+    common = {"num_partitions": devices, "precision": t.precision, "variant": cfg.model.variant}
+    programs = []
+    for size in sizes:
+        batch = place(blank_batch(d.global_batch_size, size, d.max_targets))
+        lowered = trainer.step.lower(batch)
+        name = f"train_step {size}px"
+        programs.append(_write(out, name, "train", lowered, d.global_batch_size, devices, size, common))
+        log.info("traced %s: %d instructions, %d donated inputs", name, lowered.instructions, len(lowered.donors))
+    if not train_only:
+        eval_batch, num_select = eval_sizes(cfg, cfgs)
+        forward = EvalForward(trainer.inference_model, num_select, fabric.strategy.precision.forward_context)
+        blank = place(blank_batch(eval_batch, cfgs.model.resolution, d.max_targets))
+        with torch.no_grad(), forward.eval_mode():
+            detections = forward._forward(blank["images"], blank["orig_size"])  # lazily: same graph as openxla's
+        programs.append(_write(out, f"eval {cfgs.model.resolution}px", "eval", lower([detections], name="eval_forward"),
+                               eval_batch, devices, cfgs.model.resolution, common))
+    (out / "programs.json").write_text(json.dumps({"programs": programs}, indent=1))
+    return programs
+
+
+def _write(out: Path, name: str, kind: str, lowered: Any, global_batch: int, devices: int, resolution: int,
+           common: dict[str, Any]) -> dict[str, Any]:
+    file = f"{kind}_{resolution}.hlo.pb"
+    (out / file).write_bytes(lowered.hlo)
+    return {"name": name, "kind": kind, "file": file, "donors": lowered.donors, "global_batch": global_batch,
+            "images_per_device": global_batch // devices, "resolution": resolution,
+            "traced_instructions": lowered.instructions, **common}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spmd_rfdetr.aot.trace", description=__doc__.splitlines()[0])
+    parser.add_argument("config", type=Path, help="a resolved RunConfig as YAML")
+    parser.add_argument("dir", type=Path, help="where programs.json and the HLO files go")
+    parser.add_argument("--train-only", action="store_true", help="only the training step at the largest size")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args.dir.mkdir(parents=True, exist_ok=True)
+    trace_programs(config_from_yaml(args.config.read_text()), args.dir, args.train_only)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

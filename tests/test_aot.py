@@ -1,0 +1,147 @@
+"""The real TPU compiler (libtpu, the ``aot`` extra) on the programs ``fit`` runs, for real TPU topologies, on this CPU.
+
+The tiny config (``configs/cpu.yaml``) on v5e:2x2 through the ``aot`` verb (a subprocess, as a user runs it), and its
+training step on one chip (v5e:1x1, the same global batch) and traced at 8 and 32 images per chip, by the verb's own
+two children. What is asserted is the compiler's own report: that the programs compile,
+how the FLOPs divide over the chips (a dropped sharding would leave one chip's FLOPs on every chip), how much of the
+training state the step updates in place, and the collectives of the partitioned program.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from test_cli import ROOT, run_cli
+
+pytest.importorskip("jax", reason="the TPU compiler check needs the aot extra: pip install -e '.[aot]'")
+pytest.importorskip("libtpu", reason="the TPU compiler check needs the aot extra: pip install -e '.[aot]'")
+pytestmark = pytest.mark.slow
+
+CONFIG = ROOT / "configs" / "cpu.yaml"
+
+
+def tiny_config(per_device: int | None = None, devices: int = 4):
+    """``configs/cpu.yaml`` (3 classes, no dataset needed) on ``devices`` virtual devices."""
+    from spmd_rfdetr.config import RunConfig
+
+    cfg = RunConfig()
+    for section, fields in yaml.safe_load(CONFIG.read_text()).items():
+        for key, value in fields.items():
+            setattr(getattr(cfg, section), key, value)
+    cfg.model.num_classes, cfg.mesh.cpu_devices, cfg.data.per_device_batch_size = 3, devices, per_device
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def verb(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """``python -m spmd_rfdetr aot --config configs/cpu.yaml --topology v5e:2x2 --json ...``: its report."""
+    out = tmp_path_factory.mktemp("aot")
+    done = run_cli("aot", "--config", str(CONFIG), "--model.num_classes", "3", "--topology", "v5e:2x2",
+                   "--json", str(out / "report.json"), "--keep", str(out / "work"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "train_step 128px" in done.stdout and "eval 128px" in done.stdout  # the printed table
+    return {p["name"]: p for p in json.loads((out / "report.json").read_text())["programs"]}
+
+
+@pytest.fixture(scope="module")
+def single_chip(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The tiny config's training step (global batch 8) traced on one device and compiled for v5e:1x1, as the verb
+    does it (its trace and compile children)."""
+    from spmd_rfdetr.aot.check import _run
+    from spmd_rfdetr.config import resolve_and_check
+
+    cfg = tiny_config(devices=1)
+    resolve_and_check(cfg, 1)
+    return _run(cfg, "v5e:1x1", tmp_path_factory.mktemp("aot_one"), train_only=True)[0]
+
+
+def test_every_program_compiles_for_v5e_and_donates_the_training_state(verb: dict) -> None:
+    train, evaluation = verb["train_step 128px"], verb["eval 128px"]
+    assert train["compiled"] and evaluation["compiled"], (train.get("error"), evaluation.get("error"))
+    assert train["topology"] == "v5e:2x2" and train["chip"] == "TPU v5 lite" and train["images_per_device"] == 2
+    memory = train["memory"]
+    # parameters, AdamW moments and step counts, EMA, learning rates and counters are updated in place
+    assert memory["alias"] >= 0.9 * memory["argument"], memory
+    assert len(train["donors"]) > 1000 and not evaluation["donors"]
+    assert 0 < memory["peak"] < train["hbm_bytes"] and train["hbm_free_fraction"] > 0.9
+
+
+def test_no_collective_runs_inside_a_loop_and_the_body_only_reduces(verb: dict) -> None:
+    """Data parallelism needs only reductions: the gradients' all-reduce (XLA combines it into a few ops by size) and
+    the losses' and counts' sums; the matcher's loops run on each chip's own images. Nothing is gathered, permuted
+    or exchanged all-to-all: no batched tensor is sliced or concatenated along the sharded batch axis."""
+    train = verb["train_step 128px"]
+    assert train["while_loops"] >= 2  # the solver's auction and search loops (and its greedy finish)
+    assert sum(train["collectives"]["in_loops"].values()) == 0, train["collectives"]
+    body = train["collectives"]["body"]
+    assert body["all-gather"] == body["all-to-all"] == body["collective-permute"] == body["reduce-scatter"] == 0, body
+    assert 1 <= body["all-reduce"] <= 6, body
+    evaluation = verb["eval 128px"]["collectives"]
+    assert sum(evaluation["in_loops"].values()) == 0
+    # the eval forward: nothing but the class token's window repeat of rfdetr's DINOv2 (xla_safe: training only)
+    assert sum(evaluation["body"].values()) - evaluation["body"]["all-to-all"] == 0, evaluation
+
+
+def test_flops_divide_over_the_chips(verb: dict, single_chip: dict) -> None:
+    """The same global batch of 8 on one chip and on four: a quarter of the FLOPs per chip (a sharding the compiler
+    silently dropped would leave the whole batch's FLOPs on every chip)."""
+    four, one = verb["train_step 128px"], single_chip
+    assert one["compiled"] and one["chips"] == 1 and one["global_batch"] == four["global_batch"] == 8
+    assert one["flops"] / four["flops"] == pytest.approx(4, rel=0.1), (one["flops"], four["flops"])
+
+
+def test_the_program_does_not_grow_with_the_batch(verb: dict, tmp_path: Path) -> None:
+    """Nothing per image is unrolled into the trace: at 8 and at 32 images per chip the training step the trace hands
+    to the compiler has exactly the instructions it has at 2. (Compiled by hand, 2 vs 8 per chip: 1.2x the compile
+    time, 1.8x the TPU code, the backend's code per tile of larger tensors; FLOPs 3.9x.)"""
+    from spmd_rfdetr.aot.check import trace
+    from spmd_rfdetr.config import resolve_and_check
+
+    small = verb["train_step 128px"]
+    for per_device in (8, 32):
+        cfg = tiny_config(per_device=per_device)
+        resolve_and_check(cfg, 4)
+        (large,) = trace(cfg, tmp_path / str(per_device), train_only=True)
+        assert large["images_per_device"] == per_device
+        assert large["traced_instructions"] == small["traced_instructions"] > 10_000, (per_device, large, small)
+
+
+def test_a_program_that_does_not_fit_is_exit_2_with_the_compilers_numbers(tmp_path: Path) -> None:
+    """What the verb does with a batch too large for the chip, on a program that compiles in seconds (the tiny
+    config's step at 2048 images per chip takes the compiler 6 minutes to refuse: 27.2 GiB of temporaries against
+    15.75): a Linear layer's output of 16 GiB per chip, sorted. The compile child exits 2 with libtpu's
+    numbers, which the verb's message names."""
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    from spmd_rfdetr.aot.check import DoesNotFit, compile_traced, does_not_fit
+    from spmd_rfdetr.mesh import build_mesh
+    from spmd_rfdetr.replay import lower
+
+    mesh, device = build_mesh(), torch_xla.device()
+    weight = torch.randn(1024, 1024).to(device)
+    x = torch.ones(4 * 2**22, 1024, device=device)  # generated inside the program: nothing is transferred
+    xs.mark_sharding(x, mesh, (("data", "fsdp"), None))
+    hidden = (x @ weight).relu()  # 16 GiB per chip, which the sort below has to hold
+    lowered = lower([hidden.sort(dim=0).values[:1]], name="too_large")
+    torch_xla._XLAC._clear_pending_irs(str(device))
+    (tmp_path / "big.hlo.pb").write_bytes(lowered.hlo)
+    program = {"name": "too_large", "file": "big.hlo.pb", "donors": [], "num_partitions": 4,
+               "images_per_device": 2**22}
+    (tmp_path / "programs.json").write_text(json.dumps({"programs": [program]}))
+    (result,) = compile_traced("v5e:2x2", tmp_path)
+    assert not result["compiled"] and result["oom"]["available_bytes"] < 16 * 2**30 < result["oom"]["needed_bytes"]
+    message = does_not_fit([result], None)
+    assert "too_large (4194304 images per device, v5e:2x2) does not fit" in message and "GiB of HBM" in message
+    assert "--max-batch" in message
+    assert issubclass(DoesNotFit, RuntimeError)
+
+
+def test_an_unknown_topology_or_no_compiler_is_one_message_and_exit_2() -> None:
+    done = run_cli("aot", "--config", str(CONFIG), "--topology", "v5e:3x3")
+    assert done.returncode == 2 and "v5e:2x4" in done.stderr and "Traceback" not in done.stderr, done.stderr[-1000:]

@@ -39,7 +39,7 @@ from rfdetr.utilities.box_ops import (
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
-from spmd_rfdetr.mesh import on_each_shard, take_rows
+from spmd_rfdetr.mesh import on_each_shard, put_rows, take_rows
 
 Solver = Literal["device", "scipy"]
 #: rfdetr's loss terms the batched criterion computes (SetCriterion's ``losses`` of every detection variant).
@@ -104,10 +104,9 @@ class StaticShapeMatcher(HungarianMatcher):
         concatenation) for ``logits [B, Q, C]``, ``boxes [B, Q, 4]`` and padded targets: ``[B, Q, T]``, padding columns
         at rfdetr's padded-target cost."""
         labels, target_boxes, valid = targets["labels"], targets["boxes"], targets["valid"]
-        batch, queries = logits.shape[:2]
-        class_cost = self._focal_classification_cost(
-            torch.gather(logits, 2, labels[:, None, :].expand(batch, queries, labels.shape[1]))
-        )
+        # rfdetr's focal cost is elementwise: of every class, then each target's class row (a row lookup; an
+        # element-wise gather of [B, Q, T] logits costs a memory tile per element on a TPU)
+        class_cost = take_rows(self._focal_classification_cost(logits).transpose(1, 2), labels).transpose(1, 2)
         bbox_cost = self._resolve_l1_cost()(boxes, target_boxes)
         giou_cost = -torch.vmap(generalized_box_iou)(box_cxcywh_to_xyxy(boxes), box_cxcywh_to_xyxy(target_boxes))
         cost = self.cost_bbox * bbox_cost + self.cost_class * class_cost + self.cost_giou * giou_cost
@@ -258,8 +257,8 @@ def detection_losses(logits: Tensor, boxes: Tensor, query: Tensor, batch: dict[s
     ``logits [B, L, Q, C]``, ``boxes [B, L, Q, 4]``, ``query [B, L, M]`` (M = G*T matches per image, match ``m`` is
     target slot ``m % T``). Returns ``[L]`` tensors: ``loss_ce``, ``loss_bbox``, ``loss_giou``, ``cardinality_error``
     and ``class_error``. The same arithmetic as upstream's per-layer methods with the ``valid`` mask (a padding pair's
-    query keeps its plain negative weight and adds nothing else); matched entries are gathered and scattered along the
-    query axis of each image, so a batch split over devices stays local.
+    query keeps its plain negative weight and adds nothing else); matched predictions are taken and put back as whole
+    rows (all classes of a query) of each image: no element-wise gather, and a batch split over devices stays local.
     """
     batch_size, layers, queries, classes = logits.shape
     matches = query.shape[2]
@@ -273,37 +272,38 @@ def detection_losses(logits: Tensor, boxes: Tensor, query: Tensor, batch: dict[s
     src_xyxy = box_cxcywh_to_xyxy(src_boxes).reshape(-1, 4)
     target_xyxy = box_cxcywh_to_xyxy(target_boxes).reshape(-1, 4)
 
-    scores = logits.reshape(batch_size, layers, queries * classes)
+    scores = logits.reshape(batch_size, layers * queries, classes)  # a row per (layer, query) of each image
     prob = scores.sigmoid()
-    entry = query * classes + labels  # (query, class) of each match, one index per image row
-    ious, _ = elementwise_box_iou(box_cxcywh_to_xyxy(src_boxes.detach()).reshape(-1, 4), target_xyxy)
-    t = prob.gather(2, entry).pow(focal_alpha) * ious.reshape(entry.shape).detach().pow(1 - focal_alpha)
-    t = torch.clamp(t, 0.01).detach()
-    positive, matched, target = on_each_shard(_scatter_matches, prob.detach(), entry, t, valid)
+    rows = layer_rows.flatten(1)
+    classes_of = torch.arange(classes, device=labels.device)  # (F.one_hot is a scatter on XLA: all-gathered)
+    onehot = (labels[..., None] == classes_of).to(prob.dtype).view(batch_size, layers * matches, classes)
+    with torch.no_grad():  # rfdetr's IoU-aware targets are constants of the loss
+        prob_at = (take_rows(prob.detach(), rows) * onehot).sum(-1).view(labels.shape)  # (query, class) of each match
+        ious, _ = elementwise_box_iou(box_cxcywh_to_xyxy(src_boxes.detach()).reshape(-1, 4), target_xyxy)
+        t = torch.clamp(prob_at.pow(focal_alpha) * ious.reshape(labels.shape).pow(1 - focal_alpha), 0.01)
+
+        def at_matches(values: Tensor) -> Tensor:  # [B, L, M] -> dense [B, L*Q, C], zero where nothing matched
+            return put_rows(onehot * values.reshape(batch_size, layers * matches, 1), rows, layers * queries)
+
+        positive, matched, target = at_matches(t * valid), at_matches(valid), at_matches(t)
     negative = torch.where(matched > 0, 1 - target, prob**_GAMMA)
-    loss_ce = (negative * scores - F.logsigmoid(scores) * (positive + negative)).sum(dim=(0, 2)) / num_boxes
+    loss_ce = (negative * scores - F.logsigmoid(scores) * (positive + negative))
+    loss_ce = loss_ce.view(batch_size, layers, -1).sum(dim=(0, 2)) / num_boxes
 
     loss_bbox = (F.l1_loss(src_boxes, target_boxes, reduction="none") * valid[..., None]).sum(dim=(0, 2, 3)) / num_boxes
-    giou = elementwise_generalized_box_iou(src_xyxy, target_xyxy).reshape(entry.shape)
+    giou = elementwise_generalized_box_iou(src_xyxy, target_xyxy).reshape(labels.shape)
     loss_giou = ((1 - giou) * valid).sum(dim=(0, 2)) / num_boxes
 
     with torch.no_grad():
         real = batch["valid"].sum(dim=1).float()[:, None]  # [B, 1]
         predicted = (prob.view(batch_size, layers, queries, classes).max(-1).values > 0.5).sum(2).float()
         cardinality_error = (predicted - real).abs().mean(dim=0)
-        picked = take_rows(logits.reshape(batch_size, layers * queries, classes), layer_rows.flatten(1))
+        picked = take_rows(scores, rows)
         picked = picked.view(batch_size, layers, matches, classes).argmax(-1)
         correct = (picked == labels).to(valid.dtype)
         class_error = 100 - 100 * (correct * valid).sum(dim=(0, 2)) / valid.sum(dim=(0, 2)).clamp(min=1)
     return {"loss_ce": loss_ce, "loss_bbox": loss_bbox, "loss_giou": loss_giou,
             "cardinality_error": cardinality_error, "class_error": class_error}
-
-
-def _scatter_matches(prob: Tensor, entry: Tensor, t: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Dense ``[B, L, Q*C]`` maps of the matches (each image's own rows): rfdetr's positive weight ``t * valid``,
-    whether a real target is matched there, and ``t``. Entries are distinct (queries are matched once)."""
-    zeros = torch.zeros_like(prob)
-    return zeros.scatter(2, entry, t * valid), zeros.scatter(2, entry, valid), zeros.scatter(2, entry, t)
 
 
 def build_criterion(upstream: SetCriterion, solver: Solver = "device") -> StaticSetCriterion:

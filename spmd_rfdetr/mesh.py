@@ -163,3 +163,9 @@ def take_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     temporaries (measured on v5e). Forward and gradient run on each device's own images (manual regions): the
     gradient's scatter-add would otherwise be all-gathered."""
     return _TakeRows.apply(rows, index)
+
+
+def put_rows(values: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
+    """``values [N, P, C]`` added at rows ``index [N, P]`` of zeros ``[N, count, C]`` on each device's own images (no
+    gradient: the inverse lookup of :func:`take_rows`)."""
+    return on_each_shard(lambda v, i: (_put(v, i, count),), values.contiguous(), index)[0]

@@ -1,7 +1,8 @@
-"""The static-shape matcher: padding parking, and the same assignment as upstream's SciPy matcher."""
+"""The static-shape matcher and criterion: padding parking, the same assignment and losses as upstream's SciPy matcher and SetCriterion."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch_xla
 
@@ -107,3 +108,53 @@ def test_criterion_matches_all_layers_in_one_solve_with_upstream_losses() -> Non
         for g, e in zip(grads, expected):
             assert torch.allclose(g, e, atol=1e-6, rtol=1e-5), (solver, (g - e).abs().max())
 
+
+
+def test_the_criterion_calls_no_collective_with_a_default_process_group(tmp_path) -> None:
+    """With several hosts ``fit`` initialises a gloo default group (spmd_rfdetr.hosts). rfdetr's criterion then
+    all-reduces its XLA box count over gloo inside the traced step, which gloo cannot do (and divides by the process
+    count, while under SPMD the count is global already); ours computes the global count on the device. Both
+    criteria on sharded XLA tensors, with a one-process gloo group initialised here."""
+    import torch.distributed as dist
+    import torch_xla.distributed.spmd as xs
+
+    from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions
+    from spmd_rfdetr.loss import build_criterion, stack_targets
+    from spmd_rfdetr.mesh import build_mesh
+    from spmd_rfdetr.model import build_upstream_criterion, upstream_configs
+
+    cfgs = upstream_configs(ModelOptions(resolution=128, num_queries=10, group_detr=2, dec_layers=2),
+                            DataOptions(dataset_dir="unused", global_batch_size=4, max_targets=4), OptimOptions(), 3)
+    mesh = build_mesh()
+    g = torch.Generator().manual_seed(2)
+
+    def sharded(t: torch.Tensor) -> torch.Tensor:
+        x = t.to(torch_xla.device())
+        xs.mark_sharding(x, mesh, (("data", "fsdp"),) + (None,) * (x.dim() - 1))
+        return x
+
+    def layer() -> dict[str, torch.Tensor]:
+        return {"pred_logits": sharded(torch.randn(4, 20, 4, generator=g)),
+                "pred_boxes": sharded(torch.rand(4, 20, 4, generator=g) * 0.5 + 0.25)}
+
+    outputs = {**layer(), "aux_outputs": [layer()]}
+    padded = [{"labels": torch.randint(0, 3, (4,), generator=g), "boxes": torch.rand(4, 4, generator=g) * 0.4 + 0.3,
+               "valid": torch.arange(4) < k} for k in (3, 1, 0, 4)]
+    batch = {k: sharded(v) for k, v in stack_targets(padded).items()}
+    torch_xla.sync()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    allowed = torch_xla._XLAC._get_allow_execution()
+    torch_xla._XLAC._set_allow_execution(False)  # as the replayed step is traced: a host round trip raises
+    try:
+        losses = build_criterion(build_upstream_criterion(cfgs)[0]).train()(outputs, batch)
+        targets = [{k: v[i] for k, v in batch.items()} for i in range(4)]
+        upstream = build_criterion(build_upstream_criterion(cfgs)[0]).train().upstream  # rfdetr's, our matcher
+        with pytest.raises(RuntimeError):  # what a pod slice met at step 1: its num_boxes all_reduce over gloo
+            upstream(outputs, targets)
+    finally:
+        dist.destroy_process_group()
+    try:
+        upstream(outputs, targets)  # the same call without the group traces (the group was the cause)
+    finally:
+        torch_xla._XLAC._set_allow_execution(allowed)
+    assert torch.isfinite(losses["loss_ce"].cpu())

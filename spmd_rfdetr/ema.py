@@ -1,9 +1,11 @@
 """An exponential moving average of the weights, updated inside the compiled training step.
 
-rfdetr's ``ModelEma`` semantics: the average starts at the initial weights, update ``n`` (1-based) uses the decay
-``decay * (1 - exp(-n / tau))`` (``decay`` when ``tau`` is 0) and every floating-point parameter and buffer becomes
-``decay * ema + (1 - decay) * weight``. Here the update counter is a device tensor and the update runs in the step's
-graph: no host value changes per step, so the replayed program keeps updating it, and nothing is read back.
+The semantics of upstream's trainer (``RFDETREMACallback``: torch's ``AveragedModel`` with rfdetr's average): the
+first update copies the weights, update ``n`` >= 2 (1-based) uses the decay ``decay * (1 - exp(-n / tau))``
+(``decay`` when ``tau`` is 0) and every floating-point parameter and buffer becomes ``decay * ema + (1 - decay) *
+weight``. (rfdetr's legacy ``ModelEma`` differs in the first update only: it averages the initial weights in.)
+Here the update counter is a device tensor and the update runs in the step's graph: no host value changes per step,
+so the replayed program keeps updating it, and nothing is read back.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class DeviceEMA:
         self.module = copy.deepcopy(model).eval().requires_grad_(False)
         self._model = model
         device = next(model.parameters()).device
-        self.updates = torch.ones((), dtype=torch.float32, device=device)  # ModelEma's counter starts at 1
+        self.updates = torch.ones((), dtype=torch.float32, device=device)  # the number of the next update
         self._pairs = [
             (averaged, live)
             for averaged, live in zip(_state_tensors(self.module), _state_tensors(model), strict=True)
@@ -40,6 +42,7 @@ class DeviceEMA:
             decay = self.decay * (1 - torch.exp(-self.updates / self.tau))
         else:
             decay = torch.full_like(self.updates, self.decay)
+        decay = torch.where(self.updates > 1, decay, torch.zeros_like(decay))  # AveragedModel: update 1 copies
         for averaged, live in self._pairs:
             if averaged.is_floating_point():
                 averaged.copy_(decay * averaged + (1.0 - decay) * live)

@@ -14,7 +14,8 @@ from spmd_rfdetr.config import DataOptions, RunConfig, multi_scale_buckets, upst
 from spmd_rfdetr.data import TrainBatches, batch_scale, blank_batch, build_split, first_uses, make_train_loader
 from spmd_rfdetr.metrics import xla_counters
 from spmd_rfdetr.model import upstream_configs
-from test_train import parity_tolerance, upstream_steps
+from conftest import parity_tolerance
+from test_train import upstream_steps
 
 BUCKETS = [96, 128, 160]
 STEPS = 12

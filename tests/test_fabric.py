@@ -216,26 +216,47 @@ def test_loading_error_reaches_the_consumer(prefetch):
     assert prefetch_threads() == before
 
 
-def test_prefetch_overlaps_loading_with_compute():
-    load_s, compute_s, n = 0.2, 0.1, 6  # loading is the bottleneck: batch k+1 loads while batch k computes
+def test_prefetch_loads_the_next_batches_while_the_consumer_holds_one():
+    """Counted by events, not timed: while the consumer holds batch k (computing), a prefetching loader has loaded
+    batches k+1 and k+2 (the queue of 2) and no further; a synchronous one has loaded nothing after batch k."""
+    n, prefetch = 6, 2
 
-    def run(prefetch: int) -> tuple[dict[int, tuple[float, float]], list[tuple[float, float]], SPMDDataLoader]:
-        data = Slow(n, load_s)
-        loader = SPMDDataLoader(DataLoader(data, batch_size=None), build_mesh(), torch_xla.device(), prefetch=prefetch)
-        computes = []
-        for _ in loader:
-            start = time.monotonic()
-            time.sleep(compute_s)
-            computes.append((start, time.monotonic()))
-        return data.loads, computes, loader
+    def loaded_while_holding(ahead: int) -> list[int]:
+        data = Gated(n)
+        loader = SPMDDataLoader(DataLoader(data, batch_size=None), build_mesh(), torch_xla.device(), prefetch=ahead)
+        seen = []
+        for k, batch in enumerate(loader):
+            assert int(batch[0, 0, 0, 0].cpu()) == k
+            if ahead:  # the loading thread fills the queue behind the consumer's back (it never blocks on the GPU)
+                want = min(n, k + 1 + ahead + 1)  # batch k, the queued ones, and one in the thread's hand
+                assert data.wait_for(want), (k, data.finished)
+                time.sleep(0.05)  # would a further load start? (it must not: the queue is full)
+            seen.append(data.finished)
+        assert loader.batches == n
+        return seen
 
-    loads, computes, ahead = run(prefetch=2)
-    overlapped = [overlaps(loads[k + 1], computes[k]) for k in range(n - 1)]
-    assert sum(overlapped) >= n - 2, (loads, computes)
-    loads, computes, sync = run(prefetch=0)
-    assert not any(overlaps(load, compute) for load in loads.values() for compute in computes), (loads, computes)
-    assert ahead.batches == sync.batches == n
-    assert ahead.wait_s < sync.wait_s, (ahead.wait_s, sync.wait_s)
+    assert loaded_while_holding(0) == [k + 1 for k in range(n)]
+    assert loaded_while_holding(prefetch) == [min(n, k + 1 + prefetch + 1) for k in range(n)]
+
+
+class Gated(Dataset):
+    """Batches that count how many finished loading (a condition the test can wait on)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.finished, self._changed = n, 0, threading.Condition()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        with self._changed:
+            self.finished += 1
+            self._changed.notify_all()
+        return torch.full((4, 3, 8, 8), float(i))
+
+    def wait_for(self, count: int, timeout: float = 30) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self.finished >= count, timeout)
 
 
 def test_stopping_early_stops_the_thread():

@@ -93,8 +93,11 @@ def on_each_shard(fn: Callable[..., tuple[torch.Tensor, ...]], *tensors: torch.T
     the shard count) and must return a tuple of tensors whose dim 0 is those rows. Python numbers inside ``fn`` become
     HLO constants rather than replicated device scalars, which a manual region cannot take as operands (XLA's
     partitioner aborts: ``hlo_sharding.cc Check failed: !IsManual()``). Without a mesh (eager tensors, one shard, or a
-    dim 0 that does not split) ``fn`` simply runs on the whole tensors.
+    dim 0 that does not split) ``fn`` simply runs on the whole tensors, and so it does while dynamo traces
+    (``compile_backend=openxla``: dynamo cannot trace the manual-sharding calls; GSPMD partitions ``fn`` there).
     """
+    if torch.compiler.is_compiling():
+        return fn(*tensors)
     mesh = xs.get_global_mesh() if tensors[0].device.type == "xla" else None
     shards = batch_shard_count(mesh) if mesh is not None else 1
     if shards == 1 or any(t.shape[0] % shards for t in tensors):

@@ -18,7 +18,7 @@ from typing import Any
 from jsonargparse import CLI, ArgumentParser, set_parsing_settings
 
 from spmd_rfdetr import checks, loop
-from spmd_rfdetr.aot.check import DoesNotFit
+from spmd_rfdetr.aot.check import AotFailed, DoesNotFit
 from spmd_rfdetr.loop import NonFiniteLoss
 from spmd_rfdetr.config import (
     ConfigError,
@@ -312,6 +312,9 @@ def main(args: list[str] | None = None) -> None:
     except DoesNotFit as error:  # the TPU compiler's verdict on the config: the user lowers the batch
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except AotFailed as error:  # a crashed child, not the config's fault: its last lines, no traceback of ours
+        print(f"aot: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
     except NonFiniteLoss as error:  # not the user's input: the run itself went bad; its checkpoints are intact
         if debug:
             traceback.print_exc()

@@ -288,7 +288,11 @@ def _compile(program: Program, inputs: list[torch.Tensor], outputs: list[torch.T
     lowers with the donors marked either way (:meth:`Replayer.lower`): what a TPU compiles."""
     from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
 
-    donated = program.donated(inputs) if donates_at_runtime() else []
+    if not donates_at_runtime():  # torch_xla's own compile path, no aliasing config at all
+        program.graph_hash = _X._get_graph_hash(outputs)
+        _X._xla_warm_up_cache(outputs, [])  # nothing executes
+        return
+    donated = program.donated(inputs)
     for value in donated:
         _X._set_buffer_donation(value, True)
     try:

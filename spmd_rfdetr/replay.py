@@ -23,6 +23,7 @@ wrong one.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -282,21 +283,17 @@ def _compile(program: Program, inputs: list[torch.Tensor], outputs: list[torch.T
     part of the graph hash, so the program's hash is taken again under the same config. Every execution of the
     compiled program then donates those inputs (PJRT follows the executable's aliasing).
 
-    Not on XLA's CPU client (:func:`donates_at_runtime`): there the donated step's gradients differed between
-    identical runs from step 2 on (measured 2026-12-01 on the tiny fit: grad norm 2.2913892 vs 2.2913902 in 1 of 2
-    runs with donation, 0 of 2 without; the losses of step 2 equal), which breaks exact resume. The ``aot`` check
-    lowers with the donors marked either way (:meth:`Replayer.lower`): what a TPU compiles."""
+    :func:`donates_at_runtime` can turn it off (the ``aot`` check lowers with the donors marked either way, what a
+    TPU compiles). It was off on XLA's CPU client for a while because identical donated runs differed by an ulp in
+    the gradient norm; identical runs without donation differ the same way (measured 2026-12-01, tests/test_resume.py
+    ``DRIFT``), so donation was not the cause and is on everywhere again."""
     from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
 
-    if not donates_at_runtime():  # torch_xla's own compile path, no aliasing config at all
-        program.graph_hash = _X._get_graph_hash(outputs)
-        _X._xla_warm_up_cache(outputs, [])  # nothing executes
-        return
-    donated = program.donated(inputs)
+    donated = program.donated(inputs) if donates_at_runtime() else []
     for value in donated:
         _X._set_buffer_donation(value, True)
-    try:
-        with alias_with_buffer_donor_config():
+    try:  # not donating: torch_xla's own compile path, no aliasing config at all
+        with alias_with_buffer_donor_config() if donated else contextlib.nullcontext():
             program.graph_hash = _X._get_graph_hash(outputs)
             _X._xla_warm_up_cache(outputs, [])  # nothing executes
     finally:  # the program donates them now; marked, a later torch_xla.sync() reading them would donate them too
@@ -304,13 +301,13 @@ def _compile(program: Program, inputs: list[torch.Tensor], outputs: list[torch.T
             _X._set_buffer_donation(value, False)
 
 
-#: ``1`` donates the training state on XLA's CPU client too (off there by default: see :func:`_compile`).
+#: ``0`` keeps the training state's buffers (no donation) on XLA's CPU client, to compare runs with and without it.
 DONATE_ON_CPU_ENV = "SPMD_RFDETR_DONATE_ON_CPU"
 
 
 def donates_at_runtime() -> bool:
     """Whether the replayed program reuses the state's buffers for its outputs on this backend."""
-    return xr.device_type() != "CPU" or os.environ.get(DONATE_ON_CPU_ENV, "0") == "1"
+    return xr.device_type() != "CPU" or os.environ.get(DONATE_ON_CPU_ENV, "1") != "0"
 
 
 @dataclass

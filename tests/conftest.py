@@ -10,6 +10,16 @@ if "PJRT_DEVICE" not in os.environ and not glob.glob("/dev/accel*") and not glob
     os.environ["PJRT_DEVICE"] = "CPU"  # no TPU here: a 4-device virtual CPU mesh (a TPU VM keeps its chips)
     os.environ.setdefault("CPU_NUM_DEVICES", "4")
 
+#: XLA's CPU code generator without LLVM optimisation, for this process and every subprocess it starts. Measured on
+#: the tiny step (configs/cpu.yaml, 8 steps, this 2-core machine, 2026-12-01): the first step (trace + compile) 47-62 s
+#: instead of 128-135 s, each later step 4.8 s instead of 2.6 s; the suite compiles far more than it steps. The
+#: HLO handed to XLA is the same; reductions round differently (1 ulp at step 1), so every run a test compares bit for
+#: bit with another (replay/trace, resume/straight) runs with the same flags, and parity bounds are unchanged.
+CPU_XLA_FLAGS = "--xla_backend_optimization_level=0"
+if os.environ.get("PJRT_DEVICE") == "CPU" and CPU_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_XLA_FLAGS}".strip()
+
+
 #: torch_xla keeps every compiled program in an LRU cache of 2048 by default: a process running this whole suite
 #: then holds dozens of RF-DETR programs (~0.5 GB each on the CPU backend) beside an 8-device ``fit`` subprocess
 #: (~12 GB), more than a 24 GB machine has. The bound is this process's own: a subprocess (a ``fit`` in openxla mode,
@@ -28,12 +38,21 @@ assert torch_xla._XLAC._xla_computation_cache_is_initialized()
 if _bound_here:
     del os.environ["XLA_COMPILATION_CACHE_SIZE"]
 
+import contextlib  # noqa: E402
 import copy  # noqa: E402
+import json  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
+import yaml  # noqa: E402
 
 from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions, RunConfig, TrainerOptions  # noqa: E402
 
@@ -130,6 +149,49 @@ def mesh_trainer(tiny: Tiny) -> MeshTrainer:
                        trainer.ema)
 
 
+#: Steps of :func:`first_steps`: what the parity, accumulation, SciPy-matcher and FSDP tests compare with.
+FIRST_STEPS = 5
+
+
+@dataclass
+class FirstSteps:
+    """Our compiled step from the tiny model's initial weights on ``tiny.batches[:FIRST_STEPS]``."""
+
+    stats: list[dict[str, float]]
+    grads: list[torch.Tensor]
+    """Step 1's clipped gradients in parameter order (zeros where a parameter has none)."""
+    weights: list[torch.Tensor]
+    """The parameters after step 1's update."""
+    mode: str
+
+    @property
+    def losses(self) -> list[float]:
+        return [s["loss"] for s in self.stats]
+
+
+@pytest.fixture(scope="session")
+def first_steps(tiny: Tiny, mesh_trainer: MeshTrainer) -> FirstSteps:
+    """One fresh trainer (as ``fit`` builds it) on the session mesh, run once for every test that needs steps from the
+    initial weights: its programs are the session trainer's (the same graphs), so this costs steps, not compiles."""
+    import gc
+
+    from spmd_rfdetr.build import build_trainer
+
+    trainer = build_trainer(mesh_trainer.fabric, tiny.cfgs, tiny.cfg.optim, tiny.cfg.trainer, model=tiny.model(),
+                            ema=tiny.cfg.model)
+    stats, grads, weights = [], [], []
+    for i in range(FIRST_STEPS):
+        stats.append(trainer.step.read(trainer.step(mesh_trainer.to_device(tiny.batches[i % len(tiny.batches)]))))
+        if i == 0:
+            params = list(trainer.model.parameters())
+            grads = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in params]
+            weights = [p.detach().cpu() for p in params]
+    result = FirstSteps(stats, grads, weights, trainer.step.mode)
+    del trainer
+    gc.collect()
+    return result
+
+
 def fit_config(tiny: Tiny, synth_dir: str, base: Any, step_mode: str) -> RunConfig:
     """The session fit's config: train split = valid split (a symlink), so a run this short gives clearly non-zero
     mAP; LR 4e-4 with warm-up into cosine; every step logged; eval every EVAL_EVERY steps."""
@@ -158,6 +220,112 @@ def fit_run(tiny: Tiny, synth_dir: str, tmp_path_factory: pytest.TempPathFactory
     cfg = fit_config(tiny, synth_dir, tmp_path_factory.mktemp("fit"), "replay")
     loop.fit(cfg)
     return Path(cfg.trainer.output_dir)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def read_metrics(out: Path) -> list[dict]:
+    """A run's metrics.jsonl records (a line still being written is left out)."""
+    path = out / "metrics.jsonl"
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        with contextlib.suppress(json.JSONDecodeError):
+            records.append(json.loads(line))
+    return records
+
+
+@contextlib.contextmanager
+def sigterm_after(out: Path, step: int) -> Iterator[None]:
+    """A real SIGTERM to this process once ``out``'s metrics have logged ``step`` (a watcher thread sends it): an
+    in-process ``fit`` finishes the step in flight, saves the training state and returns, as on a preempted VM.
+    ``step`` must come well before the run's last step (after ``fit`` returns, SIGTERM would end pytest)."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.05):
+            if any(r["step"] >= step for r in read_metrics(out)):
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
+def start_fit(config: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python -m spmd_rfdetr fit --config CONFIG`` on 4 virtual devices, as a user starts it."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "spmd_rfdetr", "fit", "--config", str(config), *extra], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(condition: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"fit exited ({proc.returncode}) before {what}:\n{out[-2000:]}\n{err[-4000:]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@dataclass
+class PreemptedRun:
+    """The session fit's config trained by the CLI in three processes (:func:`preempted_run`)."""
+
+    out: Path
+    stopped: int
+    """The step the SIGTERM stopped the first process after."""
+    first: tuple[int, str, str]
+    """The first process's exit code, stdout and stderr."""
+    sigterm_checkpoint: bool
+    """Whether the first process left a checkpoint of its last step (and no last.pth)."""
+    partial: Path
+    """The half-written save the second process was killed inside."""
+    killed_records: dict[int, float]
+    """Step -> loss as logged by the first two processes."""
+    last: tuple[int, str, str]
+    """The last process's exit code, stdout and stderr."""
+
+
+@pytest.fixture(scope="session")
+def preempted_run(fit_run: Path, tmp_path_factory: pytest.TempPathFactory) -> PreemptedRun:
+    """``fit`` as a user runs it, on the session fit's config (evaluation off, a checkpoint every 8 steps, keep 2): a
+    real SIGTERM once step 3 is logged (the step in flight finishes, its state is saved, exit 0); resumed and
+    SIGKILLed inside the step-8 save (after its files were written, before it was published); resumed again to the
+    end. The CLI's own tests read this run too (its outputs, its counters): one set of CLI compiles for both."""
+    base = tmp_path_factory.mktemp("preempted")
+    cfg = yaml.safe_load((fit_run / "config.yaml").read_text())
+    out = base / "run"
+    cfg["trainer"].update(output_dir=str(out), loggers=[], resume="auto")
+    cfg["eval"]["every_steps"] = 0  # evaluation must not change training: the straight run evaluated at 20 and 40
+    cfg["checkpointing"] = {"every_steps": 8, "keep": 2}
+    config = base / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+
+    proc = start_fit(config)
+    wait_for(lambda: any(r["step"] >= 3 for r in read_metrics(out)), proc, "step 3")
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=600)
+    first = (proc.returncode, stdout, stderr)
+    stopped = int(stdout.split("stopped by SIGTERM after step ")[1].split(":")[0]) if proc.returncode == 0 else -1
+    left = (out / "checkpoints" / f"step_{stopped:08d}").is_dir() and not (out / "last.pth").exists()
+
+    proc = start_fit(config, env={"SPMD_RFDETR_TEST_PAUSE_BEFORE_PUBLISH_S": "600"})
+    partial = out / "checkpoints" / ".step_00000008.partial"
+    wait_for(lambda: (partial / "meta.json").exists(), proc, "the step-8 save")
+    proc.kill()
+    proc.communicate()
+    killed = {r["step"]: r["loss"] for r in read_metrics(out)}
+
+    proc = start_fit(config)
+    stdout, stderr = proc.communicate(timeout=1800)
+    return PreemptedRun(out, stopped, first, left, partial, killed, (proc.returncode, stdout, stderr))
 
 
 def read_training_checkpoint(path: Path) -> dict[str, torch.Tensor]:

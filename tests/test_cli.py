@@ -1,4 +1,5 @@
-"""The CLI as a user runs it: shipped YAMLs parse, --help documents every option, `fit` end to end in subprocesses."""
+"""The CLI as a user runs it: shipped YAMLs parse, --help documents every option, `synth` and `fit` end to end in
+subprocesses (the 4-device `fit` is conftest's ``preempted_run``, shared with the resume tests)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import parity_tolerance
+from conftest import PreemptedRun, parity_tolerance, read_metrics
 
 from spmd_rfdetr.cli import main
 from spmd_rfdetr.config import RunConfig
@@ -30,10 +31,6 @@ def run_cli(*args: str, devices: int = 4, timeout: int = 1800) -> subprocess.Com
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)}
     return subprocess.run([sys.executable, "-m", "spmd_rfdetr", *args], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=timeout)
-
-
-def read_metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
@@ -91,40 +88,43 @@ def test_bad_config_is_one_clear_error_before_anything_runs(tmp_path: Path) -> N
     assert not (tmp_path / "out").exists()
 
 
-@pytest.fixture(scope="module")
-def fit_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`synth` then `fit --config configs/cpu.yaml` in subprocesses, as the README does (4 virtual devices)."""
-    base = tmp_path_factory.mktemp("cli")
-    synth = run_cli("synth", "--output_dir", str(base / "synth"), timeout=300)
-    assert synth.returncode == 0, synth.stderr
-    out = base / "out"
-    result = run_cli("fit", "--config", "configs/cpu.yaml", "--data.dataset_dir", str(base / "synth"),
-                     "--trainer.output_dir", str(out), "--trainer.max_steps", "40", "--trainer.log_every", "1",
-                     "--eval.every_steps", "0")
-    assert result.returncode == 0, result.stderr[-3000:]
-    (out / "stderr.txt").write_text(result.stderr)
-    return out
+@pytest.mark.slow
+def test_synth_writes_a_dataset(tmp_path: Path) -> None:
+    result = run_cli("synth", "--output_dir", str(tmp_path / "synth"), "--train_images", "4", "--valid_images", "2",
+                     "--test_images", "2", timeout=300)
+    assert result.returncode == 0, result.stderr
+    for split, count in (("train", 4), ("valid", 2), ("test", 2)):
+        coco = json.loads((tmp_path / "synth" / split / "_annotations.coco.json").read_text())
+        assert len(coco["images"]) == count and coco["annotations"]
+        assert all((tmp_path / "synth" / split / image["file_name"]).is_file() for image in coco["images"])
 
 
 @pytest.mark.slow
-def test_fit_cli_trains_and_writes_outputs(fit_run: Path) -> None:
-    records = read_metrics(fit_run)
+def test_fit_cli_trains_and_writes_outputs(preempted_run: PreemptedRun) -> None:
+    """conftest's ``preempted_run`` (the CLI on the session fit's config, preempted twice, resumed to the end)."""
+    code, _, stderr = preempted_run.last
+    assert code == 0, stderr[-3000:]
+    records = read_metrics(preempted_run.out)
     assert [r["step"] for r in records] == list(range(1, 41))
     for r in records:
         assert METRIC_KEYS <= set(r), set(r)
     first, last = records[0]["loss"], sum(r["loss"] for r in records[-2:]) / 2
     assert last < 0.8 * first, [r["loss"] for r in records]
-    assert (fit_run / "config.yaml").exists() and yaml.safe_load((fit_run / "config.yaml").read_text())
-    checkpoint = torch.load(fit_run / "last.pth", map_location="cpu", weights_only=False)
+    out = preempted_run.out
+    assert (out / "config.yaml").exists() and yaml.safe_load((out / "config.yaml").read_text())
+    checkpoint = torch.load(out / "last.pth", map_location="cpu", weights_only=False)
     assert checkpoint["step"] == 40 and all(t.device.type == "cpu" for t in checkpoint["model"].values())
-    assert "XLA compiled" in (fit_run / "stderr.txt").read_text()
+    assert "XLA compiled" in stderr
 
 
 @pytest.mark.slow
-def test_fit_counters_one_graph_per_step_transfers_only_at_log_points(fit_run: Path) -> None:
-    records = read_metrics(fit_run)
-    assert records[-1]["step"] == 40
+def test_fit_counters_one_graph_per_step_transfers_only_at_log_points(preempted_run: PreemptedRun) -> None:
+    records = read_metrics(preempted_run.out)  # steps 9-40 ran in the last process (it resumed from step <= 8)
+    every = yaml.safe_load((preempted_run.out / "config.yaml").read_text())["checkpointing"]["every_steps"]
+    assert records[-1]["step"] == 40 and every == 8
     for before, after in zip(records[9:], records[10:]):  # from step 10 on: no compile after warm-up (2 steps)
+        if before["step"] % every == 0 or after["step"] % every == 0:
+            continue  # a checkpoint save's copies to the host are counted around its step
         steps = after["step"] - before["step"]
         assert after["xla_compiles"] == before["xla_compiles"], (before, after)
         assert after["xla_executions"] - before["xla_executions"] == steps, (before, after)
@@ -135,17 +135,16 @@ def test_fit_counters_one_graph_per_step_transfers_only_at_log_points(fit_run: P
 @pytest.mark.slow
 def test_fit_on_8_devices_with_fsdp_matches_4(fit_run: Path, tmp_path: Path) -> None:
     """Seed Phase 2b on the mesh, with parameters sharded: 8 virtual devices as data 4 x fsdp 2, one process, no hang,
-    and the same losses as the 4-device data-parallel run at steps 1-4, i.e. after 3 updates: a wrong cross-shard
-    gradient reduction (a mean over shards taken as a sum, a shard left out, a gradient left split) changes the
-    weights at the first update and the loss from step 2 on. Both runs share batches (data order and augmentations
-    are functions of the seed and step), the global batch (8 = 8 devices x data.per_device_batch_size 1 here, so that
-    option is exercised end to end) and the LR (cpu.yaml's 20 warm-up steps do not depend on max_steps). It evaluates
-    the sharded EMA weights at the end and writes last.pth with whole (gathered) weights."""
-    config = yaml.safe_load((fit_run / "config.yaml").read_text())
-    result = run_cli("fit", "--config", "configs/cpu.yaml", "--data.dataset_dir", config["data"]["dataset_dir"],
-                     "--trainer.output_dir", str(tmp_path), "--trainer.max_steps", "4", "--trainer.log_every", "1",
-                     "--data.per_device_batch_size", "1", "--mesh.data", "4", "--mesh.fsdp", "2",
-                     "--eval.every_steps", "4", devices=8)
+    and the same losses as the session's 4-device data-parallel fit (conftest's ``fit_run``) at steps 1-4, i.e. after
+    3 updates: a wrong cross-shard gradient reduction (a mean over shards taken as a sum, a shard left out, a gradient
+    left split) changes the weights at the first update and the loss from step 2 on. Both runs share batches (data
+    order and augmentations are functions of the seed and step), the global batch (8 = 8 devices x
+    data.per_device_batch_size 1 here, so that option is exercised end to end) and the LR (steps 1-4 are inside the
+    5 warm-up steps, which do not depend on max_steps). It evaluates the sharded EMA weights at the end and writes
+    last.pth with whole (gathered) weights."""
+    result = run_cli("fit", "--config", str(fit_run / "config.yaml"), "--trainer.output_dir", str(tmp_path),
+                     "--trainer.max_steps", "4", "--data.per_device_batch_size", "1",
+                     "--mesh.data", "4", "--mesh.fsdp", "2", "--eval.every_steps", "4", devices=8)
     assert result.returncode == 0, result.stderr[-3000:]
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["data"]["global_batch_size"] == 8
     records = read_metrics(tmp_path)
@@ -161,7 +160,7 @@ def test_fit_on_8_devices_with_fsdp_matches_4(fit_run: Path, tmp_path: Path) -> 
     from spmd_rfdetr.model import build_model, upstream_configs
 
     saved = torch.load(tmp_path / "last.pth", weights_only=True)
-    assert saved["config"]["mesh"] == {"data": 4, "fsdp": 2, "fsdp_min_numel": 2**16, "cpu_devices": 4}
+    assert saved["config"]["mesh"] == {"data": 4, "fsdp": 2, "fsdp_min_numel": 2**16, "cpu_devices": None}
     model = saved["config"]["model"]
     cfgs = upstream_configs(ModelOptions(**model), DataOptions(), OptimOptions(), model["num_classes"])
     build_model(cfgs).load_state_dict(saved["model"])  # strict: every weight whole, none a shard

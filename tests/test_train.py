@@ -10,12 +10,11 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 
-from conftest import parity_tolerance
+from conftest import FIRST_STEPS, parity_tolerance
 
 from spmd_rfdetr.metrics import aten_fallbacks, xla_counters
 from spmd_rfdetr.model import build_optimizer, build_upstream_criterion
 
-PARITY_STEPS = 5
 
 
 def sharding(t: torch.Tensor) -> str:
@@ -98,7 +97,7 @@ SCIPY_STEPS = 3
 
 @pytest.fixture(scope="module")
 def xla_child(tiny, tmp_path_factory) -> dict:
-    """:data:`XLA_CHILD`'s results: upstream's step on XLA for PARITY_STEPS steps, ours with the SciPy matcher for
+    """:data:`XLA_CHILD`'s results: upstream's step on XLA for FIRST_STEPS steps, ours with the SciPy matcher for
     SCIPY_STEPS steps, from the tiny model's initial weights on the same batches."""
     import json
     import os
@@ -107,11 +106,11 @@ def xla_child(tiny, tmp_path_factory) -> dict:
     from pathlib import Path
 
     inputs = tmp_path_factory.mktemp("xla_child") / "tiny.pt"
-    torch.save({"cfg": tiny.cfg, "init_state": tiny.init_state, "batches": tiny.batches[:PARITY_STEPS]}, inputs)
+    torch.save({"cfg": tiny.cfg, "init_state": tiny.init_state, "batches": tiny.batches[:FIRST_STEPS]}, inputs)
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
     child = subprocess.run([sys.executable, "-X", "faulthandler", "-c", XLA_CHILD, str(inputs), str(tests),
-                            str(PARITY_STEPS), str(SCIPY_STEPS)], cwd=tests.parent, env=env, capture_output=True,
+                            str(FIRST_STEPS), str(SCIPY_STEPS)], cwd=tests.parent, env=env, capture_output=True,
                            text=True, timeout=1800)
     (tmp_path_factory.getbasetemp() / "xla_child.err").write_text(child.stderr)
     stderr = "\n".join(line for line in child.stderr.splitlines() if "sharding_propagation" not in line)
@@ -120,24 +119,17 @@ def xla_child(tiny, tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-def test_parity_with_upstream_eager_step(tiny, mesh_trainer, xla_child):
-    """Our compiled step on the mesh over PARITY_STEPS steps against upstream rfdetr's own step: on the CPU, step 1's
-    loss and gradients, then each step's loss within :func:`parity_tolerance` (why later steps need more: its
-    docstring); on the same XLA device with the same (capturable) AdamW, every step's loss to 1e-5."""
-    ref_losses, ref_grads = upstream_steps(tiny, PARITY_STEPS)
-    same_device = xla_child["upstream_on_xla"]
-    losses = []
-    for i in range(PARITY_STEPS):
-        stats = mesh_trainer.step.read(mesh_trainer.step(mesh_trainer.to_device(tiny.batches[i % len(tiny.batches)])))
-        losses.append(stats["loss"])
-        if i == 0:
-            grads = [
-                p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in mesh_trainer.model.parameters()
-            ]
-            diff = torch.sqrt(sum(((g - r) ** 2).sum() for g, r in zip(grads, ref_grads)))
-            norm = torch.sqrt(sum((r**2).sum() for r in ref_grads))
-            assert abs(losses[0] - ref_losses[0]) <= 1e-5 * abs(ref_losses[0]), (losses[0], ref_losses[0])
-            assert diff / norm <= 1e-4, f"gradient relative L2 error {float(diff / norm):.3g}"
+def test_parity_with_upstream_eager_step(tiny, first_steps, xla_child):
+    """Our compiled step on the mesh over FIRST_STEPS steps (conftest's ``first_steps``) against upstream rfdetr's own
+    step: on the CPU, step 1's loss and gradients, then each step's loss within :func:`parity_tolerance` (why later
+    steps need more: its docstring); on the same XLA device with the same (capturable) AdamW, steps 1-2 to 1e-5."""
+    ref_losses, ref_grads = upstream_steps(tiny, FIRST_STEPS)
+    same_device, losses, grads = xla_child["upstream_on_xla"], first_steps.losses, first_steps.grads
+    diff = torch.sqrt(sum(((g - r) ** 2).sum() for g, r in zip(grads, ref_grads)))
+    norm = torch.sqrt(sum((r**2).sum() for r in ref_grads))
+    assert abs(losses[0] - ref_losses[0]) <= 1e-5 * abs(ref_losses[0]), (losses[0], ref_losses[0])
+    assert diff / norm <= 1e-4, f"gradient relative L2 error {float(diff / norm):.3g}"
+    assert len(losses) == len(ref_losses) == len(same_device) == FIRST_STEPS
     for step, (ours, ref, xla_ref) in enumerate(zip(losses, ref_losses, same_device), start=1):
         assert abs(ours - ref) <= parity_tolerance(step) * abs(ref), (step, losses, ref_losses)
         assert abs(ours - xla_ref) <= (1e-5 if step <= 2 else parity_tolerance(step)) * abs(xla_ref), (
@@ -296,46 +288,38 @@ def test_a_nonfinite_step_changes_nothing_and_is_counted(tiny, mesh_trainer):
 
 
 @pytest.mark.slow
-def test_accumulating_two_micro_batches_equals_one_batch(tiny, mesh_trainer):
-    """optim.accumulate=2 inside the one compiled step vs the whole batch at once, from the same weights: the same
-    loss and pre-clip gradient norm (rfdetr's whole-batch box count normalises both halves), the same clipped
-    gradients and the same weights after the update."""
+def test_accumulating_two_micro_batches_equals_one_batch(tiny, mesh_trainer, first_steps):
+    """optim.accumulate=2 inside the one compiled step vs the whole batch at once (conftest's ``first_steps``), from
+    the same weights: the same loss and pre-clip gradient norm (rfdetr's whole-batch box count normalises both
+    halves), the same clipped gradients and the same weights after the update."""
     import dataclasses
 
     from spmd_rfdetr.build import build_trainer
 
-    results = []
-    for accumulate in (1, 2):
-        optim = dataclasses.replace(tiny.cfg.optim, accumulate=accumulate)
-        trainer = build_trainer(mesh_trainer.fabric, tiny.cfgs, optim, tiny.cfg.trainer, model=tiny.model(),
-                                ema=tiny.cfg.model)
-        stats = trainer.step.read(trainer.step(mesh_trainer.to_device(tiny.batches[0])))
-        params = list(trainer.model.parameters())
-        results.append((stats, [p.grad.cpu() for p in params if p.grad is not None], [p.cpu() for p in params]))
-    (whole, grads, weights), (halves, grads2, weights2) = results
+    optim = dataclasses.replace(tiny.cfg.optim, accumulate=2)
+    trainer = build_trainer(mesh_trainer.fabric, tiny.cfgs, optim, tiny.cfg.trainer, model=tiny.model(),
+                            ema=tiny.cfg.model)
+    halves = trainer.step.read(trainer.step(mesh_trainer.to_device(tiny.batches[0])))
+    params = list(trainer.model.parameters())
+    grads = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in params]
+    whole = first_steps.stats[0]
     assert halves["loss"] == pytest.approx(whole["loss"], rel=1e-5)
     assert halves["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
-    assert len(grads) == len(grads2) > 0
-    assert max((a - b).abs().max().item() for a, b in zip(grads, grads2)) <= 1e-5 * max(g.abs().max().item() for g in grads)
-    assert max((a - b).abs().max().item() for a, b in zip(weights, weights2)) <= 1e-5
+    assert len(grads) == len(first_steps.grads) > 0 and any(g.abs().max() > 0 for g in grads)
+    scale = max(g.abs().max().item() for g in first_steps.grads)
+    assert max((a - b).abs().max().item() for a, b in zip(grads, first_steps.grads)) <= 1e-5 * scale
+    assert max((p.detach().cpu() - w).abs().max().item() for p, w in zip(params, first_steps.weights)) <= 1e-5
 
 
 @pytest.mark.slow
-def test_scipy_matcher_steps_equal_the_device_matchers(tiny, mesh_trainer, xla_child):
+def test_scipy_matcher_steps_equal_the_device_matchers(first_steps, xla_child):
     """``trainer.matcher=scipy`` (upstream's host solve: the step is traced every call and cut at the matcher's
-    transfer; run in :data:`XLA_CHILD`) against the device matcher, each from the initial weights for 3 steps: the same
-    assignments, so the same losses, within :func:`parity_tolerance` (two programs that round differently)."""
-    import dataclasses
-
-    from spmd_rfdetr.build import build_trainer
-
-    options = dataclasses.replace(tiny.cfg.trainer, matcher="device")
-    trainer = build_trainer(mesh_trainer.fabric, tiny.cfgs, tiny.cfg.optim, options, model=tiny.model(),
-                            ema=tiny.cfg.model)
-    stats = [trainer.step.read(trainer.step(mesh_trainer.to_device(b))) for b in tiny.batches[:SCIPY_STEPS]]
-    device, scipy = [s["loss"] for s in stats], xla_child["scipy"]
-    assert (trainer.step.mode, xla_child["scipy_mode"]) == ("replay", "trace")
-    assert "matcher_unconverged" in stats[0] and "matcher_unconverged" not in xla_child["scipy_stats"]
+    transfer; run in :data:`XLA_CHILD`) against the device matcher (conftest's ``first_steps``), each from the initial
+    weights for 3 steps: the same assignments, so the same losses, within :func:`parity_tolerance` (two programs that
+    round differently)."""
+    device, scipy = first_steps.losses[:SCIPY_STEPS], xla_child["scipy"]
+    assert (first_steps.mode, xla_child["scipy_mode"]) == ("replay", "trace")
+    assert "matcher_unconverged" in first_steps.stats[0] and "matcher_unconverged" not in xla_child["scipy_stats"]
     assert len(scipy) == SCIPY_STEPS
     for step, (ours, ref) in enumerate(zip(device, scipy), start=1):
         assert abs(ours - ref) <= parity_tolerance(step) * abs(ref), (step, device, scipy)

@@ -283,10 +283,13 @@ def _compile(program: Program, inputs: list[torch.Tensor], outputs: list[torch.T
     part of the graph hash, so the program's hash is taken again under the same config. Every execution of the
     compiled program then donates those inputs (PJRT follows the executable's aliasing).
 
-    :func:`donates_at_runtime` can turn it off (the ``aot`` check lowers with the donors marked either way, what a
-    TPU compiles). It was off on XLA's CPU client for a while because identical donated runs differed by an ulp in
-    the gradient norm; identical runs without donation differ the same way (measured 2026-12-01, tests/test_resume.py
-    ``DRIFT``), so donation was not the cause and is on everywhere again."""
+    Not on XLA's CPU client (:func:`donates_at_runtime`; the ``aot`` check lowers with the donors marked either way,
+    what a TPU compiles). There, a fit whose process compiled the donated program fresh trained its first replayed
+    step differently from trace mode (measured 2026-12-01, the test fit: loss 14.21569 vs 14.21702 at step 3, 1e-4;
+    a CLI process's first replayed step 8e-4 later), while fits in the same process that found the program cached
+    matched trace mode: a donation hazard of this path on that client, not found yet (identical runs without
+    donation differ only by the client's own ulp drift, tests/test_resume.py ``AFTER_RESUME``). ``pytest -m tpu`` checks a
+    resumed fit bit for bit on the chip, where torch_xla donates as well."""
     from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
 
     donated = program.donated(inputs) if donates_at_runtime() else []
@@ -301,13 +304,13 @@ def _compile(program: Program, inputs: list[torch.Tensor], outputs: list[torch.T
             _X._set_buffer_donation(value, False)
 
 
-#: ``0`` keeps the training state's buffers (no donation) on XLA's CPU client, to compare runs with and without it.
+#: ``1`` donates the training state on XLA's CPU client too (off there by default: see :func:`_compile`).
 DONATE_ON_CPU_ENV = "SPMD_RFDETR_DONATE_ON_CPU"
 
 
 def donates_at_runtime() -> bool:
     """Whether the replayed program reuses the state's buffers for its outputs on this backend."""
-    return xr.device_type() != "CPU" or os.environ.get(DONATE_ON_CPU_ENV, "1") != "0"
+    return xr.device_type() != "CPU" or os.environ.get(DONATE_ON_CPU_ENV, "0") == "1"
 
 
 @dataclass

@@ -30,8 +30,10 @@ def read_records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-#: The trace-mode fit stops (a real SIGTERM, in process) once this step is logged: through warm-up into cosine.
-TRACE_STEPS = 12
+#: The trace-mode fit stops (a real SIGTERM, in process) once this step is logged: through warm-up into cosine, and
+#: before the CPU client's ulp drift grows through this fit's near-tied proposals (3 measured pairs: bit-equal losses
+#: to step 11 at least, then 2.5e-6 at step 12 and 3.9e-4 at step 13 in one of them).
+TRACE_STEPS = 8
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +52,14 @@ def trace_fit_run(tiny, synth_dir, tmp_path_factory):
 def test_replay_fit_equals_trace_fit_through_warmup_into_cosine(fit_run, trace_fit_run):
     """The session's replayed fit against the same fit traced every step: the same losses, gradient norms and LRs
     (computed on the device: rfdetr-style warm-up then cosine) at every step the trace run made; the replay run's
-    step Python ran twice (trace + check), trace mode's every step. (Measured 2026-12-01: losses bit-equal over the
-    13 steps, gradient norms one ulp apart at 3 of them; XLA's CPU client varies between runs: test_resume.DRIFT.)
+    step Python ran twice (trace + check), trace mode's every step. (Measured 2026-12-01: losses bit-equal over these
+    steps, gradient norms an ulp apart at some; XLA's CPU client varies between identical runs: test_resume.py.)
     A replay that reads stale state or bakes a per-step value is off by far more (test_replayed_toy_training...)."""
     replay, trace = read_records(fit_run), read_records(trace_fit_run)
     assert [r["step"] for r in replay] == list(range(1, FIT_STEPS + 1))
     assert TRACE_STEPS <= len(trace) < FIT_STEPS and [r["step"] for r in trace] == list(range(1, len(trace) + 1))
     assert {r["step_mode"] for r in replay} == {"replay"} and {r["step_mode"] for r in trace} == {"trace"}
-    for a, b in zip(replay, trace):  # two identical replay runs differ by up to 4.6e-7 over these steps: 1e-5
+    for a, b in zip(replay, trace):  # two identical replay runs differ by up to 4.6e-7 over 12 steps: 1e-5
         for key in ("loss", "loss_ce", "loss_bbox", "loss_giou", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key, a[key], b[key])
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-6, abs=1e-12), (a["step"], a["lr"], b["lr"])

@@ -2,8 +2,8 @@
 
 conftest's ``preempted_run`` trains the session fit's config (``fit_run``: 40 steps, EMA on) in three real ``fit``
 processes: stopped by a real SIGTERM, resumed and killed with SIGKILL inside a checkpoint save, resumed again to the
-end. Nothing is lost or done twice, the first resumed step equals the straight in-process run's, and the rest stay
-within the CPU client's ulp-level drift of it (:data:`DRIFT`). The NaN test stops an in-process fit with a real SIGTERM of its own (conftest's ``sigterm_after``).
+end. Nothing is lost or done twice, and the steps after each resume equal the straight in-process run's (later ones
+drift apart with the CPU client's own ulp differences: :data:`AFTER_RESUME`). The NaN test stops an in-process fit with a real SIGTERM of its own (conftest's ``sigterm_after``).
 """
 
 from __future__ import annotations
@@ -74,36 +74,34 @@ def test_sigterm_and_a_kill_inside_a_save_lose_no_step(preempted_run: PreemptedR
     assert sorted(p.name for p in (run.out / "checkpoints").iterdir()) == ["step_00000032", "step_00000040"]  # keep 2
 
 
-#: Relative loss bound between the preempted and the straight run over all 40 steps. XLA's CPU client computes some
-#: steps' gradients an ulp or two differently between identical runs (measured 2026-12-01: two identical CLI fits of
-#: this config, no checkpoint, no resume, replay or not, differ in the gradient norm from step 4 and in the loss from
-#: step 8 by <= 4.6e-7; the preempted vs the straight run: bit-equal losses to step 14 and 21 in two pairs; cause not
-#: found), and this fit's large LR (grad norms up to 160) amplifies that to at most 1e-5 and 2e-5 by step 40. A resume that loses state moves a loss by far more: a 1%
-#: LR error moves a step-3 loss by ~8e-4 (conftest.parity_tolerance), a wrong batch by percents.
-DRIFT = 1e-4
+#: Steps after the resume point compared with the straight run. XLA's CPU client computes some steps' gradients an
+#: ulp or two differently between identical runs (measured 2026-12-01: two identical CLI fits of this config, no
+#: checkpoint, no resume, differ in the gradient norm from step 4 and in the loss from step 8 by <= 4.6e-7; cause
+#: not found), and this fit's large LR turns that into near-tie proposal reorderings that grow chaotically (replay vs
+#: trace in one process: bit-equal losses to step 11, then 2.5e-6, 3.9e-4 at steps 12-13; the preempted vs the
+#: straight run: at most 1e-5 and 2e-5 by step 40 in two pairs). So the steps right after the resume are compared to
+#: 1e-6 (what a lost or shifted state changes by far more: a 1% LR error moves a loss by ~1e-4 the step after), and
+#: later ones are not compared.
+AFTER_RESUME = 2
 
 
 @pytest.mark.slow
 def test_the_preempted_run_equals_the_straight_run(preempted_run: PreemptedRun, fit_run: Path):
-    """The first step each resumed process made equals the straight in-process run's to 1e-6 (so the checkpoint held
-    the exact state: weights, AdamW moments, step counts, schedule, data position), and every logged loss is within
-    :data:`DRIFT` of the straight run's (which evaluated at steps 20 and 40: evaluation does not change training). The
-    final EMA weights count 40 updates and are the straight run's within the same drift."""
+    """Every loss up to :data:`AFTER_RESUME` steps after the resume point, as each process logged it, equals the
+    straight in-process run's to 1e-6 (so the checkpoint held the exact state: weights, AdamW moments, step counts,
+    schedule, data position; and evaluation, which the straight run did at step 20, does not change training); the
+    final weights are the EMA's, 40 updates of it."""
     straight = {r["step"]: r["loss"] for r in read_metrics(fit_run)}
     records = read_metrics(preempted_run.out)
-    resumed = preempted_run.stopped + 1
+    last_compared = preempted_run.stopped + 1 + AFTER_RESUME
     logged = list(preempted_run.killed_records.items()) + [(r["step"], r["loss"]) for r in records]
     assert {step for step, _ in logged} == set(range(1, 41))
-    for step, loss in logged:
-        bound = 1e-6 if step <= resumed else DRIFT
-        assert abs(loss - straight[step]) <= bound * abs(straight[step]), (step, loss, straight[step])
+    compared = [(step, loss) for step, loss in logged if step <= last_compared]
+    assert len(compared) > last_compared  # the resumed steps logged twice (the killed process, the last one)
+    for step, loss in compared:
+        assert abs(loss - straight[step]) <= 1e-6 * abs(straight[step]), (step, loss, straight[step])
     ours = torch.load(preempted_run.out / "last.pth", map_location="cpu", weights_only=False)
-    ref = torch.load(fit_run / "last.pth", map_location="cpu", weights_only=False)
-    assert ours["weights"] == ref["weights"] == "ema" and ours["ema"]["updates"] == 40
-    tensors = [k for k in ref["model"] if ref["model"][k].numel() and ref["model"][k].is_floating_point()]
-    worst = max((ours["model"][k].float() - ref["model"][k].float()).abs().max().item() for k in tensors)
-    scale = max(ref["model"][k].float().abs().max().item() for k in tensors)
-    assert worst <= 10 * DRIFT * scale, (worst, scale)  # measured 2.3e-4 of 4.65 (5e-5)
+    assert ours["weights"] == "ema" and ours["ema"]["updates"] == 40
 
 
 @pytest.mark.slow

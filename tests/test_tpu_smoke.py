@@ -76,6 +76,34 @@ def test_8_a_second_fit_loads_every_graph_from_the_persistent_cache(tmp_path: Pa
     assert last[1]["xla_cache_loads"] >= 1, last
 
 
+def test_9_a_preempted_fit_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """The replayed step donates the training state on the chip: a fit stopped by a real SIGTERM after step 2 and
+    resumed gives the uninterrupted run's losses bit for bit (XLA on a TPU is deterministic; on the CPU mesh the
+    client's own ulp drift makes tests/test_resume.py bound them instead)."""
+    import signal
+
+    data = tmp_path / "synth"
+    assert run("synth", "--output_dir", str(data), "--image_size", "384").returncode == 0
+    common = ["fit", "--config", "configs/v5e.yaml", "--data.dataset_dir", str(data), "--trainer.max_steps", "6",
+              "--trainer.log_every", "1", "--eval.every_steps", "0", "--data.num_workers", "2"]
+    assert run(*common, "--trainer.output_dir", str(tmp_path / "straight")).returncode == 0
+    out = tmp_path / "preempted"
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    proc = subprocess.Popen([sys.executable, "-m", "spmd_rfdetr", *common, "--trainer.output_dir", str(out),
+                             "--trainer.resume", "auto"], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 1800
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=600) == 0
+    assert run(*common, "--trainer.output_dir", str(out), "--trainer.resume", "auto").returncode == 0
+    read = lambda d: [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert read(out) == read(tmp_path / "straight")
+
+
 def test_5_masks_stay_bool_inside_the_step(tiny, mesh_trainer) -> None:
     mesh_trainer.backbone_mask_dtypes.clear()
     mesh_trainer.step(mesh_trainer.to_device(tiny.batches[0]))

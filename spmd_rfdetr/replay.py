@@ -288,8 +288,8 @@ def _compile(program: Program, inputs: list[torch.Tensor], outputs: list[torch.T
     step differently from trace mode (measured 2026-12-01, the test fit: loss 14.21569 vs 14.21702 at step 3, 1e-4;
     a CLI process's first replayed step 8e-4 later), while fits in the same process that found the program cached
     matched trace mode: a donation hazard of this path on that client, not found yet (identical runs without
-    donation differ only by the client's own ulp drift, tests/test_resume.py ``AFTER_RESUME``). ``pytest -m tpu`` checks a
-    resumed fit bit for bit on the chip, where torch_xla donates as well."""
+    donation differ only by the client's own ulp drift, tests/test_resume.py ``AFTER_RESUME``). ``pytest -m tpu``
+    checks a resumed fit bit for bit on the chip, where torch_xla donates as well."""
     from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
 
     donated = program.donated(inputs) if donates_at_runtime() else []

@@ -138,10 +138,10 @@ def test_fit_on_8_devices_with_fsdp_matches_4(fit_run: Path, tmp_path: Path) -> 
     and the same losses as the session's 4-device data-parallel fit (conftest's ``fit_run``) at steps 1-3, i.e. after
     2 updates: a wrong cross-shard gradient reduction (a mean over shards taken as a sum, a shard left out, a gradient
     left split) changes the weights at the first update and the loss from step 2 on. (Step 4 is not compared: at
-    this fit's warm-up LR the near-tie reorderings of step 3 grow to 2.9e-3 there, measured 2026-12-01.) Both runs share batches (data
-    order and augmentations are functions of the seed and step), the global batch (8 = 8 devices x
-    data.per_device_batch_size 1 here, so that option is exercised end to end) and the LR (steps 1-4 are inside the
-    5 warm-up steps, which do not depend on max_steps). It evaluates the sharded EMA weights at the end and writes
+    this fit's warm-up LR the near-tie reorderings of step 3 grow to 2.9e-3 there, measured 2026-12-01.) Both runs
+    share batches (data order and augmentations are functions of the seed and step), the global batch (8 = 8 devices
+    x data.per_device_batch_size 1 here, so that option is exercised end to end) and the LR (steps 1-4 are inside
+    the 5 warm-up steps, which do not depend on max_steps). It evaluates the sharded EMA weights at the end and writes
     last.pth with whole (gathered) weights."""
     result = run_cli("fit", "--config", str(fit_run / "config.yaml"), "--trainer.output_dir", str(tmp_path),
                      "--trainer.max_steps", "4", "--data.per_device_batch_size", "1",

@@ -22,7 +22,7 @@ from spmd_rfdetr import evaluate as ev
 from spmd_rfdetr.coco import BOXES, SCORE
 from spmd_rfdetr.step import as_samples
 
-from conftest import EVAL_EVERY  # tests/ is on sys.path (rootdir conftest, no __init__.py)
+from conftest import EVAL_EVERY, read_metrics  # tests/ is on sys.path (rootdir conftest, no __init__.py)
 
 SUBSET, EVAL_BATCH = 20, 12  # 20 images in global batches of 12: 12 + 8 padded to 12
 pytestmark = pytest.mark.slow  # every test reads the session fit (conftest.fit_run) or compiles an eval program
@@ -192,7 +192,7 @@ def assert_same_detections(predictions: list, image_id: int, eval_detections: li
 
 
 def test_fit_evaluates_every_n_steps_and_keeps_best(fit_run):
-    records = [json.loads(line) for line in (fit_run / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(fit_run)
     assert [r["step"] for r in records] == list(range(1, 2 * EVAL_EVERY + 1))  # log_every=1
     evals = [r for r in records if "eval/mAP" in r]
     assert [r["step"] for r in evals] == [EVAL_EVERY, 2 * EVAL_EVERY]  # every 20 steps, and the last one

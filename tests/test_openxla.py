@@ -8,7 +8,6 @@ upstream: then the fix can go) and shows the fix exact against eager; the second
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import yaml
 
-from conftest import fit_config
+from conftest import fit_config, read_metrics
 from test_train import parity_tolerance
 from spmd_rfdetr.openxla_fix import apply_bridge_fix
 
@@ -98,8 +97,8 @@ def test_fit_trains_with_openxla_as_with_replay_and_skips_a_nan_step(tiny, synth
                             text=True, capture_output=True, timeout=1800)
     assert result.returncode == 0, result.stderr[-4000:]
     out = Path(cfg.trainer.output_dir)
-    ours = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    ref = [json.loads(line) for line in (fit_run / "metrics.jsonl").read_text().splitlines()][:OPENXLA_STEPS]
+    ours = read_metrics(out)
+    ref = read_metrics(fit_run)[:OPENXLA_STEPS]
     assert [r["step"] for r in ours] == list(range(1, OPENXLA_STEPS + 2))
     assert {r["step_mode"] for r in ours} == {"openxla"}
     for a, b in zip(ours, ref):

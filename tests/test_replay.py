@@ -8,7 +8,6 @@ rest use a toy model through the same ``TrainStep`` / :class:`Replayer` (graphs 
 from __future__ import annotations
 
 import copy
-import json
 import logging
 from pathlib import Path
 
@@ -18,16 +17,12 @@ import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
 
-from conftest import EVAL_EVERY, FIT_STEPS, FIT_WARMUP, fit_config, sigterm_after
+from conftest import EVAL_EVERY, FIT_STEPS, FIT_WARMUP, fit_config, read_metrics, sigterm_after
 from spmd_rfdetr.config import OptimOptions
 from spmd_rfdetr.metrics import xla_counters
 from spmd_rfdetr.model import DeviceLRSchedule, lr_factor
 from spmd_rfdetr.replay import Replayer, ReplayUnsafe
 from spmd_rfdetr.step import TrainStep
-
-
-def read_records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 #: The trace-mode fit stops (a real SIGTERM, in process) once this step is logged: through warm-up into cosine, and
@@ -55,7 +50,7 @@ def test_replay_fit_equals_trace_fit_through_warmup_into_cosine(fit_run, trace_f
     step Python ran twice (trace + check), trace mode's every step. (Measured 2026-12-01: losses bit-equal over these
     steps, gradient norms an ulp apart at some; XLA's CPU client varies between identical runs: test_resume.py.)
     A replay that reads stale state or bakes a per-step value is off by far more (test_replayed_toy_training...)."""
-    replay, trace = read_records(fit_run), read_records(trace_fit_run)
+    replay, trace = read_metrics(fit_run), read_metrics(trace_fit_run)
     assert [r["step"] for r in replay] == list(range(1, FIT_STEPS + 1))
     assert TRACE_STEPS <= len(trace) < FIT_STEPS and [r["step"] for r in trace] == list(range(1, len(trace) + 1))
     assert {r["step_mode"] for r in replay} == {"replay"} and {r["step_mode"] for r in trace} == {"trace"}
@@ -78,7 +73,7 @@ def replay_cfg_optim() -> OptimOptions:
 @pytest.mark.slow
 def test_a_fresh_fit_compiles_the_step_once(fit_run):
     """Optimizer state exists before the first trace: step 1 compiles the steady-state program, step 2 nothing."""
-    records = read_records(fit_run)
+    records = read_metrics(fit_run)
     assert records[0]["xla_new_compiles"] == 1, records[0]
     assert [r["xla_new_compiles"] for r in records[1:EVAL_EVERY - 1]] == [0] * (EVAL_EVERY - 2)
     # one program per step: torch_xla records an execution when its execution thread finishes, which can land just

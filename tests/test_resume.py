@@ -3,7 +3,8 @@
 conftest's ``preempted_run`` trains the session fit's config (``fit_run``: 40 steps, EMA on) in three real ``fit``
 processes: stopped by a real SIGTERM, resumed and killed with SIGKILL inside a checkpoint save, resumed again to the
 end. Nothing is lost or done twice, and the steps after each resume equal the straight in-process run's (later ones
-drift apart with the CPU client's own ulp differences: :data:`AFTER_RESUME`). The NaN test stops an in-process fit with a real SIGTERM of its own (conftest's ``sigterm_after``).
+drift apart with the CPU client's own ulp differences: :data:`AFTER_RESUME`). The NaN test stops an in-process fit
+with a real SIGTERM of its own (conftest's ``sigterm_after``).
 """
 
 from __future__ import annotations

@@ -82,6 +82,8 @@ def test_9_a_preempted_fit_resumes_bit_for_bit(tmp_path: Path) -> None:
     client's own ulp drift makes tests/test_resume.py bound them instead)."""
     import signal
 
+    from conftest import read_metrics, wait_for
+
     data = tmp_path / "synth"
     assert run("synth", "--output_dir", str(data), "--image_size", "384").returncode == 0
     common = ["fit", "--config", "configs/v5e.yaml", "--data.dataset_dir", str(data), "--trainer.max_steps", "6",
@@ -92,16 +94,11 @@ def test_9_a_preempted_fit_resumes_bit_for_bit(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "spmd_rfdetr", *common, "--trainer.output_dir", str(out),
                              "--trainer.resume", "auto"], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 1800
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.1)
+    wait_for(lambda: len(read_metrics(out)) >= 2, proc, "step 2", timeout=1800)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=600) == 0
     assert run(*common, "--trainer.output_dir", str(out), "--trainer.resume", "auto").returncode == 0
-    read = lambda d: [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    assert read(out) == read(tmp_path / "straight")
+    assert [r["loss"] for r in read_metrics(out)] == [r["loss"] for r in read_metrics(tmp_path / "straight")]
 
 
 def test_5_masks_stay_bool_inside_the_step(tiny, mesh_trainer) -> None:

@@ -30,6 +30,10 @@ class ModelOptions:
     """Query groups used during training (Group DETR); inference uses one."""
     dec_layers: int | None = None
     """Decoder layers."""
+    backbone_blocks: int | None = None
+    """DINOv2 blocks to build (``None``: the variant's 12). Fewer make a smaller RF-DETR that compiles in a fraction
+    of the time, for smoke runs and tests of the training loop (torchtitan's "debug model"); its last blocks feed the
+    decoder. No published weights fit it, and upstream rfdetr cannot rebuild it from a weight file."""
     num_classes: int | None = None
     """Number of classes; ``None`` reads it from the dataset."""
     pretrain_weights: str | None = None
@@ -438,8 +442,11 @@ def _model_problems(cfg: RunConfig) -> list[str]:
             f"data.max_targets={cfg.data.max_targets} is more than the {queries} queries per group ({source}): the "
             "matcher gives every target its own query. Lower data.max_targets or raise model.num_queries"
         )
-    for name in ("group_detr", "dec_layers", "num_classes"):
+    for name in ("group_detr", "dec_layers", "num_classes", "backbone_blocks"):
         value = getattr(m, name)
         if value is not None and value < 1:
             problems.append(f"model.{name}={value} must be >= 1")
+    if m.backbone_blocks is not None and m.pretrain_weights is not None:
+        problems.append(f"model.backbone_blocks={m.backbone_blocks} builds a backbone no published weights fit: "
+                        "leave it unset to start from model.pretrain_weights")
     return problems

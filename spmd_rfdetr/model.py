@@ -7,9 +7,11 @@ formulas after a warm-up of its own (:func:`lr_factor` says where it differs).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,7 @@ import torch
 from rfdetr import config as rfdetr_config
 from rfdetr._namespace import _namespace_from_configs  # rfdetr's own config -> builder-namespace bridge
 from rfdetr.assets.model_weights import ModelWeights
+from rfdetr.models.backbone import dinov2
 from rfdetr.models.criterion import SetCriterion
 from rfdetr.models.lwdetr import LWDETR, build_criterion_from_config, build_model_from_config
 from rfdetr.models.postprocess import PostProcess
@@ -38,6 +41,8 @@ class UpstreamConfigs:
 
     model: rfdetr_config.ModelConfig
     train: rfdetr_config.TrainConfig
+    backbone_blocks: int | None = None
+    """DINOv2 blocks to build (``ModelOptions.backbone_blocks``; ``None``: the variant's)."""
 
     def namespace(self) -> Any:
         """rfdetr's legacy builder namespace (model, criterion and dataset builders read it)."""
@@ -57,6 +62,9 @@ def upstream_configs(model: ModelOptions, data: DataOptions, optim: OptimOptions
         }.items()
         if v is not None
     }
+    if model.backbone_blocks is not None:  # the last blocks feed the decoder, as many as the variant's (or all)
+        outputs = len(VARIANTS[model.variant].model_fields["out_feature_indexes"].default)
+        overrides["out_feature_indexes"] = list(range(1, model.backbone_blocks + 1))[-outputs:]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*pretrain_weights=None.*")
         model_cfg = VARIANTS[model.variant](
@@ -76,7 +84,21 @@ def upstream_configs(model: ModelOptions, data: DataOptions, optim: OptimOptions
         lr_component_decay=optim.lr_component_decay,
         clip_max_norm=optim.clip_max_norm,
     )
-    return UpstreamConfigs(model_cfg, train_cfg)
+    return UpstreamConfigs(model_cfg, train_cfg, model.backbone_blocks)
+
+
+@contextlib.contextmanager
+def _dinov2_blocks(blocks: int | None) -> Iterator[None]:
+    """rfdetr reads DINOv2's depth from its JSON config with no override: while building, that config says ``blocks``."""
+    if blocks is None:
+        yield
+        return
+    read = dinov2.get_config
+    dinov2.get_config = lambda size, use_registers: {**read(size, use_registers), "num_hidden_layers": blocks}
+    try:
+        yield
+    finally:
+        dinov2.get_config = read
 
 
 def build_model(cfgs: UpstreamConfigs) -> LWDETR:
@@ -88,7 +110,8 @@ def build_model(cfgs: UpstreamConfigs) -> LWDETR:
     rfdetr into its cache (``$RF_HOME``, default ``~/.roboflow/models``).
     """
     xla_safe.install()  # on an XLA device, the position table's resize for other image sizes (multi-scale)
-    net = build_model_from_config(cfgs.model, cfgs.train)
+    with _dinov2_blocks(cfgs.backbone_blocks):
+        net = build_model_from_config(cfgs.model, cfgs.train)
     if cfgs.model.pretrain_weights is not None:
         path = str(cfgs.model.pretrain_weights)
         if not os.path.isfile(path):

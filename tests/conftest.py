@@ -40,6 +40,7 @@ if _bound_here:
 
 import contextlib  # noqa: E402
 import copy  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
@@ -54,6 +55,7 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 import yaml  # noqa: E402
 
+from jobs import JOBS, Background, JobInputs, job_fixture, jobs_of  # noqa: E402
 from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions, RunConfig, TrainerOptions  # noqa: E402
 
 # The one tiny RF-DETR every in-process test compiles (graphs are shared within the process: keep shapes identical).
@@ -62,6 +64,42 @@ TINY_BATCH = 8
 TINY_MAX_TARGETS = 8
 #: The session's ``fit`` (fixture ``fit_run``): 40 steps through LR warm-up into cosine, evaluating every 20.
 FIT_STEPS, EVAL_EVERY, FIT_WARMUP = 40, 20, 5
+#: The model of the tests about the training loop rather than its numerics against upstream (preemption and resume,
+#: step modes, non-finite steps, 8 devices, the CLI's outputs and counters): the tiny model with one DINOv2 block and
+#: one decoder layer at 64 px (``ModelOptions.backbone_blocks``). Measured 2026-12-01 (a 4-step CLI fit, this 2-core
+#: machine, -O0): 45 s per process instead of 124 s, the first step (trace + compile) 16 s of compiling instead of 76 s.
+LOOP_MODEL = ModelOptions(resolution=64, num_queries=30, group_detr=2, dec_layers=1, backbone_blocks=1)
+#: The loop fit's steps: through warm-up into cosine, and three checkpoint intervals of 8 for the preempted run.
+LOOP_STEPS = 24
+
+
+def job_order(item: pytest.Item) -> int:
+    """0 for a test that reads no background job, else 1 + the place of the last of its jobs in ``jobs.JOBS`` (the
+    order they run in)."""
+    order = list(JOBS.values())
+    return max((order.index(job) + 1 for job in jobs_of(item)), default=0)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests that read a background job (``jobs.py``) run after the others, as their jobs finish."""
+    items.sort(key=job_order)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Background]:
+    """The selected tests' jobs (``jobs.py``), started now, one at a time, in the order of ``jobs.JOBS``."""
+    needed = {job for item in request.session.items for job in jobs_of(item)}
+    jobs = [job for job in JOBS.values() if job in needed]
+    inputs = None
+    if jobs:
+        synth_dir, tiny = request.getfixturevalue("synth_dir"), request.getfixturevalue("tiny")
+        base = tmp_path_factory.mktemp("loop-config")
+        config = base / "config.yaml"
+        config.write_text(yaml.safe_dump(dataclasses.asdict(loop_config(tiny, synth_dir, base, "replay")), sort_keys=False))
+        inputs = JobInputs(synth_dir, tiny, config, dict(os.environ))
+    jobs_running = Background(inputs, jobs, tmp_path_factory.mktemp("jobs"))
+    yield jobs_running
+    jobs_running.close()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -102,14 +140,14 @@ class Tiny:
         return net.train()
 
 
-@pytest.fixture(scope="session")
-def tiny(synth_dir: str) -> Tiny:
+def make_tiny(model: ModelOptions, synth_dir: str) -> Tiny:
+    """:class:`Tiny` for ``model``: batches of the valid split (deterministic transforms), weights of seed 0."""
     from spmd_rfdetr.data import StaticCollate, build_split
     from spmd_rfdetr.model import build_model, upstream_configs
 
     data = DataOptions(dataset_dir=synth_dir, global_batch_size=TINY_BATCH, max_targets=TINY_MAX_TARGETS, num_workers=0)
     optim = OptimOptions(schedule="constant", warmup_steps=0)
-    cfg = RunConfig(model=copy.deepcopy(TINY_MODEL), data=data, optim=optim, trainer=TrainerOptions(precision="fp32"))
+    cfg = RunConfig(model=copy.deepcopy(model), data=data, optim=optim, trainer=TrainerOptions(precision="fp32"))
     cfgs = upstream_configs(cfg.model, data, optim, num_classes=3)
     valid = build_split(cfgs, "valid")  # deterministic transforms: the same pixels for every consumer
     collate = StaticCollate(TINY_MAX_TARGETS, cfgs.model.resolution)
@@ -117,6 +155,18 @@ def tiny(synth_dir: str) -> Tiny:
     torch.manual_seed(0)
     init_state = copy.deepcopy(build_model(cfgs).state_dict())
     return Tiny(cfg, cfgs, batches, init_state)
+
+
+@pytest.fixture(scope="session")
+def tiny(synth_dir: str) -> Tiny:
+    """The numerics model (:data:`TINY_MODEL`): what is compared with upstream's step."""
+    return make_tiny(TINY_MODEL, synth_dir)
+
+
+@pytest.fixture(scope="session")
+def loop_tiny(synth_dir: str) -> Tiny:
+    """The loop model (:data:`LOOP_MODEL`): for tests of a mechanism that any RF-DETR shows (accumulation, buckets)."""
+    return make_tiny(LOOP_MODEL, synth_dir)
 
 
 @dataclass
@@ -149,7 +199,7 @@ def mesh_trainer(tiny: Tiny) -> MeshTrainer:
                        trainer.ema)
 
 
-#: Steps of :func:`first_steps`: what the parity, accumulation, SciPy-matcher and FSDP tests compare with.
+#: Steps of :func:`first_steps`: what the parity, SciPy-matcher and FSDP tests compare with.
 FIRST_STEPS = 5
 
 
@@ -160,8 +210,6 @@ class FirstSteps:
     stats: list[dict[str, float]]
     grads: list[torch.Tensor]
     """Step 1's clipped gradients in parameter order (zeros where a parameter has none)."""
-    weights: list[torch.Tensor]
-    """The parameters after step 1's update."""
     mode: str
 
     @property
@@ -179,14 +227,12 @@ def first_steps(tiny: Tiny, mesh_trainer: MeshTrainer) -> FirstSteps:
 
     trainer = build_trainer(mesh_trainer.fabric, tiny.cfgs, tiny.cfg.optim, tiny.cfg.trainer, model=tiny.model(),
                             ema=tiny.cfg.model)
-    stats, grads, weights = [], [], []
+    stats, grads = [], []
     for i in range(FIRST_STEPS):
         stats.append(trainer.step.read(trainer.step(mesh_trainer.to_device(tiny.batches[i % len(tiny.batches)]))))
         if i == 0:
-            params = list(trainer.model.parameters())
-            grads = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in params]
-            weights = [p.detach().cpu() for p in params]
-    result = FirstSteps(stats, grads, weights, trainer.step.mode)
+            grads = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in trainer.model.parameters()]
+    result = FirstSteps(stats, grads, trainer.step.mode)
     del trainer
     gc.collect()
     return result
@@ -212,12 +258,31 @@ def fit_config(tiny: Tiny, synth_dir: str, base: Any, step_mode: str) -> RunConf
     return cfg
 
 
+def loop_config(tiny: Tiny, synth_dir: str, base: Any, step_mode: str) -> RunConfig:
+    """The session fit's config on :data:`LOOP_MODEL` for :data:`LOOP_STEPS` steps, without evaluation."""
+    cfg = fit_config(tiny, synth_dir, base, step_mode)
+    cfg.model = copy.deepcopy(LOOP_MODEL)
+    cfg.trainer.max_steps, cfg.eval.every_steps = LOOP_STEPS, 0
+    return cfg
+
+
 @pytest.fixture(scope="session")
-def fit_run(tiny: Tiny, synth_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """``fit`` on the mesh in the default step mode (replay); its output directory (metrics, checkpoints, evals)."""
+def fit_run(tiny: Tiny, synth_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``fit`` on the mesh in the default step mode (replay); its output directory (metrics, checkpoints, evals).
+    In this process, not a background job: the jobs are the longer half of the suite already."""
     from spmd_rfdetr import loop
 
     cfg = fit_config(tiny, synth_dir, tmp_path_factory.mktemp("fit"), "replay")
+    loop.fit(cfg)
+    return Path(cfg.trainer.output_dir)
+
+
+@pytest.fixture(scope="session")
+def loop_run(tiny: Tiny, synth_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``fit`` of :func:`loop_config` on the mesh (replay): the straight run the loop tests compare with."""
+    from spmd_rfdetr import loop
+
+    cfg = loop_config(tiny, synth_dir, tmp_path_factory.mktemp("loop"), "replay")
     loop.fit(cfg)
     return Path(cfg.trainer.output_dir)
 
@@ -257,9 +322,10 @@ def sigterm_after(out: Path, step: int) -> Iterator[None]:
         watcher.join()
 
 
-def start_fit(config: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """``python -m spmd_rfdetr fit --config CONFIG`` on 4 virtual devices, as a user starts it."""
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", **(env or {})}
+def start_fit(config: Path, *extra: str, env: dict[str, str]) -> subprocess.Popen:
+    """``python -m spmd_rfdetr fit --config CONFIG`` on 4 virtual devices, as a user starts it, in ``env`` (a job's
+    :attr:`JobInputs.env`: the environment as the session started, whatever an in-process test sets meanwhile)."""
+    env = {**env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
     return subprocess.Popen([sys.executable, "-m", "spmd_rfdetr", "fit", "--config", str(config), *extra], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -276,7 +342,7 @@ def wait_for(condition: Callable[[], bool], proc: subprocess.Popen, what: str, t
 
 @dataclass
 class PreemptedRun:
-    """The session fit's config trained by the CLI in three processes (:func:`preempted_run`)."""
+    """The loop fit's config trained by the CLI in three processes (:func:`preempted_run`)."""
 
     out: Path
     stopped: int
@@ -293,22 +359,20 @@ class PreemptedRun:
     """The last process's exit code, stdout and stderr."""
 
 
-@pytest.fixture(scope="session")
-def preempted_run(fit_run: Path, tmp_path_factory: pytest.TempPathFactory) -> PreemptedRun:
-    """``fit`` as a user runs it, on the session fit's config (evaluation off, a checkpoint every 8 steps, keep 2): a
-    real SIGTERM once step 3 is logged (the step in flight finishes, its state is saved, exit 0); resumed and
-    SIGKILLed inside the step-8 save (after its files were written, before it was published); resumed again to the
-    end. The CLI's own tests read this run too (its outputs, its counters): one set of CLI compiles for both."""
-    base = tmp_path_factory.mktemp("preempted")
-    cfg = yaml.safe_load((fit_run / "config.yaml").read_text())
+@job_fixture
+def preempted_run(inputs: JobInputs, base: Path) -> PreemptedRun:
+    """``fit`` as a user runs it, on the loop fit's config (a checkpoint every 8 steps, keep 2): a real SIGTERM once
+    step 3 is logged (the step in flight finishes, its state is saved, exit 0); resumed and SIGKILLed inside the step-8
+    save (after its files were written, before it was published); resumed again to the end. The CLI's own tests read
+    this run too (its outputs, its counters): one set of CLI compiles for both."""
+    cfg = yaml.safe_load(inputs.loop_config.read_text())
     out = base / "run"
     cfg["trainer"].update(output_dir=str(out), loggers=[], resume="auto")
-    cfg["eval"]["every_steps"] = 0  # evaluation must not change training: the straight run evaluated at 20 and 40
     cfg["checkpointing"] = {"every_steps": 8, "keep": 2}
     config = base / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
 
-    proc = start_fit(config)
+    proc = start_fit(config, env=inputs.env)
     wait_for(lambda: any(r["step"] >= 3 for r in read_metrics(out)), proc, "step 3")
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=600)
@@ -316,14 +380,14 @@ def preempted_run(fit_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Pr
     stopped = int(stdout.split("stopped by SIGTERM after step ")[1].split(":")[0]) if proc.returncode == 0 else -1
     left = (out / "checkpoints" / f"step_{stopped:08d}").is_dir() and not (out / "last.pth").exists()
 
-    proc = start_fit(config, env={"SPMD_RFDETR_TEST_PAUSE_BEFORE_PUBLISH_S": "600"})
+    proc = start_fit(config, env={**inputs.env, "SPMD_RFDETR_TEST_PAUSE_BEFORE_PUBLISH_S": "600"})
     partial = out / "checkpoints" / ".step_00000008.partial"
     wait_for(lambda: (partial / "meta.json").exists(), proc, "the step-8 save")
     proc.kill()
     proc.communicate()
     killed = {r["step"]: r["loss"] for r in read_metrics(out)}
 
-    proc = start_fit(config)
+    proc = start_fit(config, env=inputs.env)
     stdout, stderr = proc.communicate(timeout=1800)
     return PreemptedRun(out, stopped, first, left, partial, killed, (proc.returncode, stdout, stderr))
 

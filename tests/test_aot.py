@@ -1,8 +1,10 @@
 """The real TPU compiler (libtpu, the ``aot`` extra) on the programs ``fit`` runs, for real TPU topologies, on this CPU.
 
-The tiny config (``configs/cpu.yaml``) on v5e:2x2 through the ``aot`` verb (a subprocess, as a user runs it), and its
-training step on one chip (v5e:1x1, the same global batch) and traced at 8 and 32 images per chip, by the verb's own
-two children. What is asserted is the compiler's own report: that the programs compile,
+The tiny config (``configs/cpu.yaml``) at a smaller depth (:data:`DEPTH`: what is asserted is the programs'
+structure, which one block of each kind shows as well as twelve) on v5e:2x2
+through the ``aot`` verb (a subprocess, as a user runs it), and its training step on one chip (v5e:1x1, the same
+global batch) and traced at 8 and 32 images per chip, by the verb's own two children. All three are background jobs
+(``jobs.py``). What is asserted is the compiler's own report: that the programs compile,
 how the FLOPs divide over the chips (a dropped sharding would leave one chip's FLOPs on every chip), how much of the
 training state the step updates in place, and the collectives of the partitioned program.
 """
@@ -16,6 +18,8 @@ import pytest
 import torch
 import yaml
 
+from conftest import LOOP_MODEL
+from jobs import JobInputs, job_fixture
 from test_cli import ROOT, run_cli
 
 pytest.importorskip("jax", reason="the TPU compiler check needs the aot extra: pip install -e '.[aot]'")
@@ -23,6 +27,9 @@ pytest.importorskip("libtpu", reason="the TPU compiler check needs the aot extra
 pytestmark = pytest.mark.slow
 
 CONFIG = ROOT / "configs" / "cpu.yaml"
+#: On top of cpu.yaml (its resolution, queries and groups stay: the programs' names say 128px): the loop model's one
+#: decoder layer and two DINOv2 blocks, one windowed and one global (the loop model's one block is windowed only).
+DEPTH = {"backbone_blocks": 2, "dec_layers": LOOP_MODEL.dec_layers}
 
 
 def tiny_config(per_device: int | None = None, devices: int = 4):
@@ -34,22 +41,24 @@ def tiny_config(per_device: int | None = None, devices: int = 4):
         for key, value in fields.items():
             setattr(getattr(cfg, section), key, value)
     cfg.model.num_classes, cfg.mesh.cpu_devices, cfg.data.per_device_batch_size = 3, devices, per_device
+    for key, value in DEPTH.items():
+        setattr(cfg.model, key, value)
     return cfg
 
 
-@pytest.fixture(scope="module")
-def verb(tmp_path_factory: pytest.TempPathFactory) -> dict:
+@job_fixture
+def verb(inputs: JobInputs, out: Path) -> dict:
     """``python -m spmd_rfdetr aot --config configs/cpu.yaml --topology v5e:2x2 --json ...``: its report."""
-    out = tmp_path_factory.mktemp("aot")
-    done = run_cli("aot", "--config", str(CONFIG), "--model.num_classes", "3", "--topology", "v5e:2x2",
-                   "--json", str(out / "report.json"), "--keep", str(out / "work"))
+    depth = [arg for key, value in DEPTH.items() for arg in (f"--model.{key}", str(value))]
+    done = run_cli("aot", "--config", str(CONFIG), "--model.num_classes", "3", *depth, "--topology", "v5e:2x2",
+                   "--json", str(out / "report.json"), "--keep", str(out / "work"), env=inputs.env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "train_step 128px" in done.stdout and "eval 128px" in done.stdout  # the printed table
     return {p["name"]: p for p in json.loads((out / "report.json").read_text())["programs"]}
 
 
-@pytest.fixture(scope="module")
-def single_chip(tmp_path_factory: pytest.TempPathFactory) -> dict:
+@job_fixture
+def single_chip(inputs: JobInputs, out: Path) -> dict:
     """The tiny config's training step (global batch 8) traced on one device and compiled for v5e:1x1, as the verb
     does it (its trace and compile children)."""
     from spmd_rfdetr.aot.check import _run
@@ -57,7 +66,21 @@ def single_chip(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     cfg = tiny_config(devices=1)
     resolve_and_check(cfg, 1)
-    return _run(cfg, "v5e:1x1", tmp_path_factory.mktemp("aot_one"), train_only=True)[0]
+    return _run(cfg, "v5e:1x1", out, train_only=True)[0]
+
+
+@job_fixture
+def batch_traces(inputs: JobInputs, out: Path) -> dict[int, dict]:
+    """The tiny config's training step as traced for the compiler (not compiled) at 8 and 32 images per chip."""
+    from spmd_rfdetr.aot.check import trace
+    from spmd_rfdetr.config import resolve_and_check
+
+    traced = {}
+    for per_device in (8, 32):
+        cfg = tiny_config(per_device=per_device)
+        resolve_and_check(cfg, 4)
+        (traced[per_device],) = trace(cfg, out / str(per_device), train_only=True)
+    return traced
 
 
 def test_every_program_compiles_for_v5e_and_donates_the_training_state(verb: dict) -> None:
@@ -67,7 +90,7 @@ def test_every_program_compiles_for_v5e_and_donates_the_training_state(verb: dic
     memory = train["memory"]
     # parameters, AdamW moments and step counts, EMA, learning rates and counters are updated in place
     assert memory["alias"] >= 0.9 * memory["argument"], memory
-    assert len(train["donors"]) > 1000 and not evaluation["donors"]
+    assert len(train["donors"]) > 500 and not evaluation["donors"]  # 668 state tensors at this depth
     assert 0 < memory["peak"] < train["hbm_bytes"] and train["hbm_free_fraction"] > 0.9
 
 
@@ -95,18 +118,12 @@ def test_flops_divide_over_the_chips(verb: dict, single_chip: dict) -> None:
     assert one["flops"] / four["flops"] == pytest.approx(4, rel=0.1), (one["flops"], four["flops"])
 
 
-def test_the_program_does_not_grow_with_the_batch(verb: dict, tmp_path: Path) -> None:
+def test_the_program_does_not_grow_with_the_batch(verb: dict, batch_traces: dict) -> None:
     """Nothing per image is unrolled into the trace: at 8 and at 32 images per chip the training step the trace hands
     to the compiler has exactly the instructions it has at 2. (Compiled by hand, 2 vs 8 per chip: 1.2x the compile
     time, 1.8x the TPU code, the backend's code per tile of larger tensors; FLOPs 3.9x.)"""
-    from spmd_rfdetr.aot.check import trace
-    from spmd_rfdetr.config import resolve_and_check
-
     small = verb["train_step 128px"]
-    for per_device in (8, 32):
-        cfg = tiny_config(per_device=per_device)
-        resolve_and_check(cfg, 4)
-        (large,) = trace(cfg, tmp_path / str(per_device), train_only=True)
+    for per_device, large in batch_traces.items():
         assert large["images_per_device"] == per_device
         assert large["traced_instructions"] == small["traced_instructions"] > 10_000, (per_device, large, small)
 

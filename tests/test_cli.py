@@ -16,7 +16,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import PreemptedRun, parity_tolerance, read_metrics
+from conftest import LOOP_STEPS, PreemptedRun, parity_tolerance, read_metrics
+from jobs import JobInputs, job_fixture
 
 from spmd_rfdetr.cli import main
 from spmd_rfdetr.config import RunConfig
@@ -27,8 +28,10 @@ METRIC_KEYS = {"step", "loss", "images_per_sec", "xla_compiles", "xla_executions
                "xla_aten_fallbacks"}
 
 
-def run_cli(*args: str, devices: int = 4, timeout: int = 1800) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)}
+def run_cli(*args: str, devices: int = 4, timeout: int = 1800,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m spmd_rfdetr ARGS`` on ``devices`` virtual devices (in ``env``, default this process's)."""
+    env = {**(os.environ if env is None else env), "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)}
     return subprocess.run([sys.executable, "-m", "spmd_rfdetr", *args], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=timeout)
 
@@ -101,27 +104,27 @@ def test_synth_writes_a_dataset(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_fit_cli_trains_and_writes_outputs(preempted_run: PreemptedRun) -> None:
-    """conftest's ``preempted_run`` (the CLI on the session fit's config, preempted twice, resumed to the end)."""
+    """conftest's ``preempted_run`` (the CLI on the loop fit's config, preempted twice, resumed to the end)."""
     code, _, stderr = preempted_run.last
     assert code == 0, stderr[-3000:]
     records = read_metrics(preempted_run.out)
-    assert [r["step"] for r in records] == list(range(1, 41))
+    assert [r["step"] for r in records] == list(range(1, LOOP_STEPS + 1))
     for r in records:
         assert METRIC_KEYS <= set(r), set(r)
-    first, last = records[0]["loss"], sum(r["loss"] for r in records[-2:]) / 2
-    assert last < 0.8 * first, [r["loss"] for r in records]
+    losses = [r["loss"] for r in records]  # the loop model learns slowly: 11.48 -> 10.28 measured (4 vs last 8)
+    assert sum(losses[-8:]) / 8 < 0.95 * sum(losses[:4]) / 4, losses
     out = preempted_run.out
     assert (out / "config.yaml").exists() and yaml.safe_load((out / "config.yaml").read_text())
     checkpoint = torch.load(out / "last.pth", map_location="cpu", weights_only=False)
-    assert checkpoint["step"] == 40 and all(t.device.type == "cpu" for t in checkpoint["model"].values())
+    assert checkpoint["step"] == LOOP_STEPS and all(t.device.type == "cpu" for t in checkpoint["model"].values())
     assert "XLA compiled" in stderr
 
 
 @pytest.mark.slow
 def test_fit_counters_one_graph_per_step_transfers_only_at_log_points(preempted_run: PreemptedRun) -> None:
-    records = read_metrics(preempted_run.out)  # steps 9-40 ran in the last process (it resumed from step <= 8)
+    records = read_metrics(preempted_run.out)  # steps 9 on ran in the last process (it resumed from step <= 8)
     every = yaml.safe_load((preempted_run.out / "config.yaml").read_text())["checkpointing"]["every_steps"]
-    assert records[-1]["step"] == 40 and every == 8
+    assert records[-1]["step"] == LOOP_STEPS and every == 8
     for before, after in zip(records[9:], records[10:]):  # from step 10 on: no compile after warm-up (2 steps)
         if before["step"] % every == 0 or after["step"] % every == 0:
             continue  # a checkpoint save's copies to the host are counted around its step
@@ -132,10 +135,19 @@ def test_fit_counters_one_graph_per_step_transfers_only_at_log_points(preempted_
         assert after["xla_aten_fallbacks"] == 0
 
 
+@job_fixture
+def eight_device_fit(inputs: JobInputs, out: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The loop fit's config on 8 virtual devices, data 4 x fsdp 2, 4 steps, evaluated at the end."""
+    result = run_cli("fit", "--config", str(inputs.loop_config), "--trainer.output_dir", str(out),
+                     "--trainer.max_steps", "4", "--data.per_device_batch_size", "1",
+                     "--mesh.data", "4", "--mesh.fsdp", "2", "--eval.every_steps", "4", devices=8, env=inputs.env)
+    return result, out
+
+
 @pytest.mark.slow
-def test_fit_on_8_devices_with_fsdp_matches_4(fit_run: Path, tmp_path: Path) -> None:
+def test_fit_on_8_devices_with_fsdp_matches_4(eight_device_fit: tuple, loop_run: Path) -> None:
     """Seed Phase 2b on the mesh, with parameters sharded: 8 virtual devices as data 4 x fsdp 2, one process, no hang,
-    and the same losses as the session's 4-device data-parallel fit (conftest's ``fit_run``) at steps 1-3, i.e. after
+    and the same losses as the session's 4-device data-parallel loop fit (conftest's ``loop_run``) at steps 1-3, after
     2 updates: a wrong cross-shard gradient reduction (a mean over shards taken as a sum, a shard left out, a gradient
     left split) changes the weights at the first update and the loss from step 2 on. (Step 4 is not compared: at
     this fit's warm-up LR the near-tie reorderings of step 3 grow to 2.9e-3 there, measured 2026-12-01.) Both runs
@@ -143,14 +155,12 @@ def test_fit_on_8_devices_with_fsdp_matches_4(fit_run: Path, tmp_path: Path) -> 
     x data.per_device_batch_size 1 here, so that option is exercised end to end) and the LR (steps 1-4 are inside
     the 5 warm-up steps, which do not depend on max_steps). It evaluates the sharded EMA weights at the end and writes
     last.pth with whole (gathered) weights."""
-    result = run_cli("fit", "--config", str(fit_run / "config.yaml"), "--trainer.output_dir", str(tmp_path),
-                     "--trainer.max_steps", "4", "--data.per_device_batch_size", "1",
-                     "--mesh.data", "4", "--mesh.fsdp", "2", "--eval.every_steps", "4", devices=8)
+    result, tmp_path = eight_device_fit
     assert result.returncode == 0, result.stderr[-3000:]
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["data"]["global_batch_size"] == 8
     records = read_metrics(tmp_path)
     loss8 = [r["loss"] for r in records]
-    loss4 = [r["loss"] for r in read_metrics(fit_run)[:4]]
+    loss4 = [r["loss"] for r in read_metrics(loop_run)[:4]]
     assert len(loss8) == 4 and len(set(loss4)) == 4, (loss8, loss4)
     for step, (ours, ref) in enumerate(zip(loss8[:3], loss4), start=1):  # from step 3 near-ties may reorder proposals
         assert abs(ours - ref) <= (1e-5 if step <= 2 else parity_tolerance(step)) * abs(ref), (loss8, loss4)

@@ -19,7 +19,8 @@ import pytest
 import torch
 from PIL import Image
 
-from spmd_rfdetr.config import DataOptions, MeshOptions, ModelOptions, RunConfig
+from spmd_rfdetr.config import DataOptions, MeshOptions, ModelOptions, OptimOptions, RunConfig
+from spmd_rfdetr.step import as_samples
 from spmd_rfdetr.weights import inference_config, read_weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +94,6 @@ def test_export_onnx_runs_like_the_eager_model(fit_run, tmp_path):
 
     from spmd_rfdetr.cli import main
     from spmd_rfdetr.model import build_model, upstream_configs
-    from spmd_rfdetr.step import as_samples
 
     checkpoint = fit_run / "last.pth"
     main(["export", "--checkpoint", str(checkpoint), "--output", str(tmp_path / "tiny.onnx")])
@@ -159,7 +159,7 @@ def test_pretrain_weights_resize_the_class_head_with_rfdetrs_loader(rfdetr_check
 def test_inference_config_takes_the_architecture_from_the_checkpoint(rfdetr_checkpoint, tmp_path):
     from spmd_rfdetr.config import TrainerOptions
 
-    trained = RunConfig(model=ModelOptions(variant="small", num_classes=7, **TINY),
+    trained = RunConfig(model=ModelOptions(variant="small", num_classes=7, backbone_blocks=3, **TINY),
                         data=DataOptions(dataset_dir="/train/data", global_batch_size=16, per_device_batch_size=2),
                         mesh=MeshOptions(data=8), trainer=TrainerOptions(precision="fp32"))
     fit_file = tmp_path / "best.pth"
@@ -174,6 +174,26 @@ def test_inference_config_takes_the_architecture_from_the_checkpoint(rfdetr_chec
     cfg = inference_config(RunConfig(), read_weights(rfdetr_checkpoint))
     assert (cfg.model.variant, cfg.model.num_classes, cfg.model.pretrain_weights) == ("nano", 5, str(rfdetr_checkpoint))
     assert {k: getattr(cfg.model, k) for k in TINY} == TINY
+
+
+def test_backbone_blocks_build_a_shallower_rfdetr_and_leave_rfdetr_as_it_was():
+    """``model.backbone_blocks``: rfdetr's model with that many DINOv2 blocks, its last ones feeding the decoder (as
+    many as the variant's own outputs); the next model built without it has rfdetr's 12 again."""
+    from rfdetr.models.backbone import dinov2
+
+    from spmd_rfdetr.model import build_model, upstream_configs
+
+    def blocks(model: ModelOptions) -> tuple[int, list[int], tuple[int, ...]]:
+        cfgs = upstream_configs(model, DataOptions(), OptimOptions(), 3)
+        net = build_model(cfgs).eval()
+        with torch.no_grad():
+            out = net(as_samples(torch.zeros(1, 3, 128, 128)))
+        return len(net.backbone[0].encoder.encoder.encoder.layer), cfgs.model.out_feature_indexes, out["pred_boxes"].shape
+
+    read = dinov2.get_config
+    assert blocks(ModelOptions(backbone_blocks=2, **TINY)) == (2, [1, 2], (1, 30, 4))
+    assert blocks(ModelOptions(backbone_blocks=6, **TINY))[:2] == (6, [3, 4, 5, 6])
+    assert dinov2.get_config is read and blocks(ModelOptions(**TINY))[:2] == (12, [3, 6, 9, 12])
 
 
 #: rfdetr's own loader for its own checkpoints: architecture, weights and class names from the file alone.

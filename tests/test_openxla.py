@@ -7,8 +7,6 @@ upstream: then the fix can go) and shows the fix exact against eager; the second
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +17,8 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import yaml
 
-from conftest import fit_config, read_metrics
-from test_train import parity_tolerance
+from conftest import parity_tolerance, read_metrics
+from jobs import JobInputs, job_fixture
 from spmd_rfdetr.openxla_fix import apply_bridge_fix
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,33 +70,40 @@ def test_openxla_training_is_wrong_without_the_fix_and_exact_with_it(mesh_traine
     assert max(with_fix) < 1e-5, with_fix
 
 
+@job_fixture
+def openxla_fit(inputs: JobInputs, out: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The CLI's ``fit`` of the loop fit's config with compile_backend=openxla, a NaN batch at the last step."""
+    from spmd_rfdetr.loader import NAN_BATCH_ENV
+
+    cfg = yaml.safe_load(inputs.loop_config.read_text())
+    cfg["trainer"].update(compile_backend="openxla", max_steps=OPENXLA_STEPS + 1, on_nonfinite="skip_step",
+                          output_dir=str(out / "run"))
+    cfg["checkpointing"].update(every_steps=1, keep=2)  # the training state after steps 5 and 6
+    # data.num_workers=0 runs rfdetr's random augmentations in the loading thread; dynamo saves and restores torch's
+    # host RNG while it compiles, which would reorder those draws. Loading in the loop keeps the replay run's batches.
+    cfg["data"]["prefetch"] = 0
+    config = out / "openxla.yaml"
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    env = {**inputs.env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", NAN_BATCH_ENV: str(OPENXLA_STEPS + 1)}
+    result = subprocess.run([sys.executable, "-m", "spmd_rfdetr", "fit", "--config", str(config)], cwd=ROOT, env=env,
+                            text=True, capture_output=True, timeout=1800)
+    return result, out / "run"
+
+
 @pytest.mark.slow
-def test_fit_trains_with_openxla_as_with_replay_and_skips_a_nan_step(tiny, synth_dir, fit_run, tmp_path):
-    """The CLI's `fit` with compile_backend=openxla, 5 steps of the session fit's config (in its LR warm-up): the
-    replay fit's losses within :func:`~test_train.parity_tolerance` (1e-5 at step 1, 1e-4 at step 2: the weight
+def test_fit_trains_with_openxla_as_with_replay_and_skips_a_nan_step(openxla_fit, loop_run):
+    """The CLI's `fit` with compile_backend=openxla, 5 steps of the loop fit's config (in its LR warm-up): the
+    replay fit's losses within :func:`~conftest.parity_tolerance` (1e-5 at step 1, 1e-4 at step 2: the weight
     updates were right; from step 3 the two programs, which round differently, may rank near-tied proposals
     differently: measured 6.2e-5 at step 5 on a CI run). Then a real NaN batch at step 6 with
     ``trainer.on_nonfinite=skip_step``: counted, named, and the weights and AdamW state after it are those after
     step 5, bit for bit (the non-finite guard around dynamo's graphs), and the EMA stays finite."""
     from conftest import read_training_checkpoint
-    from spmd_rfdetr.loader import NAN_BATCH_ENV
 
-    cfg = fit_config(tiny, synth_dir, tmp_path, "replay")
-    cfg.trainer.compile_backend, cfg.trainer.max_steps = "openxla", OPENXLA_STEPS + 1
-    cfg.trainer.on_nonfinite, cfg.eval.every_steps = "skip_step", 0
-    cfg.checkpointing.every_steps, cfg.checkpointing.keep = 1, 2  # the training state after steps 5 and 6
-    # data.num_workers=0 runs rfdetr's random augmentations in the loading thread; dynamo saves and restores torch's
-    # host RNG while it compiles, which would reorder those draws. Loading in the loop keeps the replay run's batches.
-    cfg.data.prefetch = 0
-    config = tmp_path / "openxla.yaml"
-    config.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", NAN_BATCH_ENV: str(OPENXLA_STEPS + 1)}
-    result = subprocess.run([sys.executable, "-m", "spmd_rfdetr", "fit", "--config", str(config)], cwd=ROOT, env=env,
-                            text=True, capture_output=True, timeout=1800)
+    result, out = openxla_fit
     assert result.returncode == 0, result.stderr[-4000:]
-    out = Path(cfg.trainer.output_dir)
     ours = read_metrics(out)
-    ref = read_metrics(fit_run)[:OPENXLA_STEPS]
+    ref = read_metrics(loop_run)[:OPENXLA_STEPS]
     assert [r["step"] for r in ours] == list(range(1, OPENXLA_STEPS + 2))
     assert {r["step_mode"] for r in ours} == {"openxla"}
     for a, b in zip(ours, ref):

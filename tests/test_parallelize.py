@@ -16,6 +16,7 @@ import torch_xla.distributed.spmd as xs
 from torch import nn
 
 from conftest import parity_tolerance
+from jobs import JobInputs, job_fixture
 
 from spmd_rfdetr.config import ConfigError, MeshOptions, RunConfig, resolve_and_check
 from spmd_rfdetr.mesh import build_mesh, fsdp_axis_size
@@ -284,24 +285,29 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@job_fixture
+def fsdp_child(inputs: JobInputs, out: Path) -> subprocess.CompletedProcess[str]:
+    """:data:`CHILD` on 8 devices from the tiny model's initial weights on its first 3 batches."""
+    import dataclasses
+
+    from conftest import TINY_MAX_TARGETS, TINY_MODEL
+
+    torch.save({"batches": inputs.tiny.batches[:3], "init": inputs.tiny.init_state}, out / "inputs.pt")
+    args = {"inputs": str(out / "inputs.pt"), "model": dataclasses.asdict(TINY_MODEL), "max_targets": TINY_MAX_TARGETS,
+            "out": str(out / "out")}
+    env = {**inputs.env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"}
+    return subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=1500)
+
+
 @pytest.mark.slow
-def test_fsdp_2x4_trains_as_data_parallel(tiny, first_steps, tmp_path):
+def test_fsdp_2x4_trains_as_data_parallel(first_steps, fsdp_child):
     """The same 3 batches from the same weights: data 2 x fsdp 4 on 8 devices gives the data-parallel losses of the
     session's 4-device mesh (conftest's ``first_steps``; 1e-5 relative at steps 1-2, where a wrong gradient reduction
     shows; step 3 within conftest's ``parity_tolerance``); the largest weight, its AdamW state, gradient and EMA copy
     are split 4 ways along fsdp (and stay so through a checkpoint round trip); parameter + optimizer bytes per device
     fall to about 1/4 of a replica's, as the memory plan said."""
-    import dataclasses
-
-    from conftest import TINY_MAX_TARGETS, TINY_MODEL
-
-    inputs = tmp_path / "inputs.pt"
-    torch.save({"batches": tiny.batches[:3], "init": tiny.init_state}, inputs)
-    args = {"inputs": str(inputs), "model": dataclasses.asdict(TINY_MODEL), "max_targets": TINY_MAX_TARGETS,
-            "out": str(tmp_path / "out")}
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"}
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=1500)
+    proc = fsdp_child
     assert proc.returncode == 0, proc.stderr[-5000:]
     fsdp = json.loads(proc.stdout.split("RESULT ", 1)[1])
     dp_losses = first_steps.losses[:3]

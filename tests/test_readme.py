@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from jobs import JobInputs, job_fixture
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,24 +23,33 @@ def readme_fabric_example() -> str:
     return block
 
 
+@job_fixture
+def readme_script(inputs: JobInputs, out: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The README's Fabric script run on the session dataset, XLA dumping the modules it compiles into ``out/hlo``."""
+    script = out / "train.py"
+    script.write_text(readme_fabric_example())
+    dump = out / "hlo"
+    env = {**inputs.env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4",
+           "XLA_FLAGS": f"{inputs.env.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text "
+                        "--xla_dump_hlo_pass_re=^$"}
+    result = subprocess.run([sys.executable, str(script), inputs.synth_dir], cwd=out, env=env, text=True,
+                            capture_output=True, timeout=900)
+    return result, out
+
+
 @pytest.mark.slow
-def test_readme_fabric_script_trains(synth_dir: str, tmp_path: Path) -> None:
+def test_readme_fabric_script_trains(readme_script: tuple) -> None:
     """The README's script as written: it trains in bf16 (``precision="bf16-mixed"``, the TPU recipes' precision),
     finite, and its training step's program (XLA's dump of the module torch_xla compiles) has its convolutions and
     matrix products in bf16 while the weights stay fp32."""
-    script = tmp_path / "train.py"
-    script.write_text(readme_fabric_example())
-    dump = tmp_path / "hlo"
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4",
-           "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"}
-    result = subprocess.run([sys.executable, str(script), synth_dir], cwd=tmp_path, env=env, text=True,
-                            capture_output=True, timeout=900)
+    result, out = readme_script
+    dump = out / "hlo"
     assert result.returncode == 0, result.stderr[-3000:]
     printed = [ast.literal_eval(line) for line in result.stdout.splitlines() if line.startswith("{'loss'")]
     assert len(printed) == 2, result.stdout  # steps 0 and 2 of the 4
     assert all(math.isfinite(p["loss"]) and p["loss"] > 0 and p["nonfinite_steps"] == 0 for p in printed), printed
     assert printed[0]["loss"] != printed[1]["loss"], printed  # two different batches, trained
-    assert (tmp_path / "last.pth").exists()
+    assert (out / "last.pth").exists()
     step = max(dump.glob("*before_optimizations.txt"), key=lambda f: f.stat().st_size).read_text()  # the step
     matmuls = re.findall(r"= (\w+)\[[^\]]*\]\S* (?:convolution|dot)\(", step)
     assert matmuls.count("bf16") >= 0.9 * len(matmuls) > 50, (len(matmuls), matmuls.count("bf16"))

@@ -1,8 +1,7 @@
 """Trace once, replay (``trainer.step_mode=replay``) against lazy tracing and eager CPU references.
 
-The fit-level tests compare the session's replay ``fit`` (``conftest.fit_run``) with the same fit in trace mode
-(stopped early by an in-process SIGTERM). The
-rest use a toy model through the same ``TrainStep`` / :class:`Replayer` (graphs that compile in seconds).
+The fit-level tests compare the session's replayed loop fit (``conftest.loop_run``) with the same fit in trace mode
+(stopped early by an in-process SIGTERM). The rest use a toy model through the same ``TrainStep`` / :class:`Replayer` (graphs that compile in seconds).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
 
-from conftest import EVAL_EVERY, FIT_STEPS, FIT_WARMUP, fit_config, read_metrics, sigterm_after
+from conftest import EVAL_EVERY, FIT_WARMUP, LOOP_STEPS, loop_config, read_metrics, sigterm_after
 from spmd_rfdetr.config import OptimOptions
 from spmd_rfdetr.metrics import xla_counters
 from spmd_rfdetr.model import DeviceLRSchedule, lr_factor
@@ -33,26 +32,26 @@ TRACE_STEPS = 8
 
 @pytest.fixture(scope="module")
 def trace_fit_run(tiny, synth_dir, tmp_path_factory):
-    """The session fit's config in trace mode, stopped by a SIGTERM after :data:`TRACE_STEPS` steps (each step is
-    traced by Python and compiled code is looked up by hash: seconds per step, so not all 40)."""
+    """The loop fit's config in trace mode, stopped by a SIGTERM after :data:`TRACE_STEPS` steps (each step is
+    traced by Python and compiled code is looked up by hash: seconds per step, so not all of them)."""
     from spmd_rfdetr import loop
 
-    cfg = fit_config(tiny, synth_dir, tmp_path_factory.mktemp("fit-trace"), "trace")
+    cfg = loop_config(tiny, synth_dir, tmp_path_factory.mktemp("fit-trace"), "trace")
     with sigterm_after(Path(cfg.trainer.output_dir), TRACE_STEPS):
         loop.fit(cfg)
     return Path(cfg.trainer.output_dir)
 
 
 @pytest.mark.slow
-def test_replay_fit_equals_trace_fit_through_warmup_into_cosine(fit_run, trace_fit_run):
-    """The session's replayed fit against the same fit traced every step: the same losses, gradient norms and LRs
+def test_replay_fit_equals_trace_fit_through_warmup_into_cosine(loop_run, trace_fit_run):
+    """The session's replayed loop fit against the same fit traced every step: the same losses, gradient norms and LRs
     (computed on the device: rfdetr-style warm-up then cosine) at every step the trace run made; the replay run's
     step Python ran twice (trace + check), trace mode's every step. (Measured 2026-12-01: losses bit-equal over these
     steps, gradient norms an ulp apart at some; XLA's CPU client varies between identical runs: test_resume.py.)
     A replay that reads stale state or bakes a per-step value is off by far more (test_replayed_toy_training...)."""
-    replay, trace = read_metrics(fit_run), read_metrics(trace_fit_run)
-    assert [r["step"] for r in replay] == list(range(1, FIT_STEPS + 1))
-    assert TRACE_STEPS <= len(trace) < FIT_STEPS and [r["step"] for r in trace] == list(range(1, len(trace) + 1))
+    replay, trace = read_metrics(loop_run), read_metrics(trace_fit_run)
+    assert [r["step"] for r in replay] == list(range(1, LOOP_STEPS + 1))
+    assert TRACE_STEPS <= len(trace) < LOOP_STEPS and [r["step"] for r in trace] == list(range(1, len(trace) + 1))
     assert {r["step_mode"] for r in replay} == {"replay"} and {r["step_mode"] for r in trace} == {"trace"}
     for a, b in zip(replay, trace):  # two identical replay runs differ by up to 4.6e-7 over 12 steps: 1e-5
         for key in ("loss", "loss_ce", "loss_bbox", "loss_giou", "grad_norm"):
@@ -60,7 +59,7 @@ def test_replay_fit_equals_trace_fit_through_warmup_into_cosine(fit_run, trace_f
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-6, abs=1e-12), (a["step"], a["lr"], b["lr"])
         assert a["matcher_unconverged"] == b["matcher_unconverged"] == 0  # still read under replay
     lrs = [r["lr"] for r in replay]
-    expected = [4e-4 * lr_factor(s, replay_cfg_optim(), FIT_STEPS) for s in range(FIT_STEPS)]
+    expected = [4e-4 * lr_factor(s, replay_cfg_optim(), LOOP_STEPS) for s in range(LOOP_STEPS)]
     np.testing.assert_allclose(lrs, expected, rtol=1e-6)
     assert lrs[FIT_WARMUP - 1] > lrs[0] and lrs[-1] < lrs[FIT_WARMUP]
     assert replay[-1]["step_traces"] == 2 and trace[-1]["step_traces"] == len(trace)

@@ -1,7 +1,7 @@
 """Long runs: the data order as a function of the step, and a real preempted run resumed exactly.
 
-conftest's ``preempted_run`` trains the session fit's config (``fit_run``: 40 steps, EMA on) in three real ``fit``
-processes: stopped by a real SIGTERM, resumed and killed with SIGKILL inside a checkpoint save, resumed again to the
+conftest's ``preempted_run`` trains the loop fit's config (``loop_run``: the loop model, 24 steps, EMA on) in three
+real ``fit`` processes: stopped by a real SIGTERM, resumed and killed with SIGKILL inside a checkpoint save, resumed again to the
 end. Nothing is lost or done twice, and the steps after each resume equal the straight in-process run's (later ones
 drift apart with the CPU client's own ulp differences: :data:`AFTER_RESUME`). The NaN test stops an in-process fit
 with a real SIGTERM of its own (conftest's ``sigterm_after``).
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PreemptedRun, read_metrics, sigterm_after
+from conftest import LOOP_STEPS, PreemptedRun, read_metrics, sigterm_after
 from spmd_rfdetr.data import SeededSamples, TrainBatches
 
 
@@ -69,10 +69,11 @@ def test_sigterm_and_a_kill_inside_a_save_lose_no_step(preempted_run: PreemptedR
     assert f"skipping {run.partial}" in stderr
     assert f"resumed from {run.out / 'checkpoints' / f'step_{run.stopped:08d}'}" in stderr
     records = read_metrics(run.out)
-    assert [r["step"] for r in records] == list(range(1, 41))  # every step once: nothing lost, nothing twice
+    assert [r["step"] for r in records] == list(range(1, LOOP_STEPS + 1))  # every step once: none lost or twice
     assert records[run.stopped]["xla_new_compiles"] == 1 and records[run.stopped]["step_mode"] == "replay"
     assert all(r["xla_new_compiles"] == 0 for r in records[run.stopped + 1:]), "a resumed run recompiled"
-    assert sorted(p.name for p in (run.out / "checkpoints").iterdir()) == ["step_00000032", "step_00000040"]  # keep 2
+    kept = [f"step_{s:08d}" for s in (LOOP_STEPS - 8, LOOP_STEPS)]
+    assert sorted(p.name for p in (run.out / "checkpoints").iterdir()) == kept  # keep 2
 
 
 #: Steps after the resume point compared with the straight run. XLA's CPU client computes some steps' gradients an
@@ -87,22 +88,21 @@ AFTER_RESUME = 2
 
 
 @pytest.mark.slow
-def test_the_preempted_run_equals_the_straight_run(preempted_run: PreemptedRun, fit_run: Path):
+def test_the_preempted_run_equals_the_straight_run(preempted_run: PreemptedRun, loop_run: Path):
     """Every loss up to :data:`AFTER_RESUME` steps after the resume point, as each process logged it, equals the
     straight in-process run's to 1e-6 (so the checkpoint held the exact state: weights, AdamW moments, step counts,
-    schedule, data position; and evaluation, which the straight run did at step 20, does not change training); the
-    final weights are the EMA's, 40 updates of it."""
-    straight = {r["step"]: r["loss"] for r in read_metrics(fit_run)}
+    schedule, data position); the final weights are the EMA's, one update per step."""
+    straight = {r["step"]: r["loss"] for r in read_metrics(loop_run)}
     records = read_metrics(preempted_run.out)
     last_compared = preempted_run.stopped + 1 + AFTER_RESUME
     logged = list(preempted_run.killed_records.items()) + [(r["step"], r["loss"]) for r in records]
-    assert {step for step, _ in logged} == set(range(1, 41))
+    assert {step for step, _ in logged} == set(range(1, LOOP_STEPS + 1))
     compared = [(step, loss) for step, loss in logged if step <= last_compared]
     assert len(compared) > last_compared  # the resumed steps logged twice (the killed process, the last one)
     for step, loss in compared:
         assert abs(loss - straight[step]) <= 1e-6 * abs(straight[step]), (step, loss, straight[step])
     ours = torch.load(preempted_run.out / "last.pth", map_location="cpu", weights_only=False)
-    assert ours["weights"] == "ema" and ours["ema"]["updates"] == 40
+    assert ours["weights"] == "ema" and ours["ema"]["updates"] == LOOP_STEPS
 
 
 @pytest.mark.slow
@@ -122,19 +122,19 @@ def test_tensorboard_and_csv_get_the_records(fit_run: Path):
 
 
 @pytest.mark.slow
-def test_a_nan_step_stops_fit_or_is_skipped(tiny, synth_dir: str, fit_run: Path, tmp_path: Path, monkeypatch):
-    """A real NaN batch at step 5 of the session fit's config (its graphs are compiled already, in this process):
+def test_a_nan_step_stops_fit_or_is_skipped(tiny, synth_dir: str, loop_run: Path, tmp_path: Path, monkeypatch):
+    """A real NaN batch at step 5 of the loop fit's config (its graphs are compiled already, in this process):
     ``stop`` ends the run there, naming the step, with the step-4 checkpoint finite and no last.pth; ``skip_step``
     trains on with exactly one skipped step and finite weights, until a real SIGTERM after step 8 stops it (it
-    finishes the step in flight and saves a finite training state: the run need not go to step 40 to show it)."""
-    from conftest import fit_config, read_training_checkpoint
+    finishes the step in flight and saves a finite training state: the run need not go to its end to show it)."""
+    from conftest import loop_config, read_training_checkpoint
     from spmd_rfdetr import loop
     from spmd_rfdetr.loader import NAN_BATCH_ENV
 
     monkeypatch.setenv(NAN_BATCH_ENV, "5")
     (tmp_path / "stop").mkdir()
     (tmp_path / "skip").mkdir()
-    cfg = fit_config(tiny, synth_dir, tmp_path / "stop", "replay")
+    cfg = loop_config(tiny, synth_dir, tmp_path / "stop", "replay")
     cfg.checkpointing.every_steps = 2
     with pytest.raises(loop.NonFiniteLoss, match=r"at 1 step\(s\) in steps 5\.\.5 \(the first one in this run: step 5\)"):
         loop.fit(cfg)
@@ -143,14 +143,14 @@ def test_a_nan_step_stops_fit_or_is_skipped(tiny, synth_dir: str, fit_run: Path,
     host = read_training_checkpoint(out / "checkpoints" / "step_00000004")
     assert all(torch.isfinite(t).all() for k, t in host.items() if k.startswith(("model.", "ema.")))
 
-    cfg = fit_config(tiny, synth_dir, tmp_path / "skip", "replay")
-    cfg.trainer.on_nonfinite, cfg.eval.every_steps = "skip_step", 0
+    cfg = loop_config(tiny, synth_dir, tmp_path / "skip", "replay")
+    cfg.trainer.on_nonfinite = "skip_step"
     out = Path(cfg.trainer.output_dir)
     with sigterm_after(out, 8):
         saved = loop.fit(cfg)
     records = read_metrics(out)
     stopped = records[-1]["step"]
-    assert 8 <= stopped < 40 and saved == out / "checkpoints" / f"step_{stopped:08d}", (stopped, saved)
+    assert 8 <= stopped < LOOP_STEPS and saved == out / "checkpoints" / f"step_{stopped:08d}", (stopped, saved)
     assert [r["nonfinite_steps"] for r in records] == [0] * 4 + [1] * (stopped - 4)
     assert records[4]["loss"] != records[4]["loss"] and all(r["loss"] == r["loss"] for i, r in enumerate(records) if i != 4)
     host = read_training_checkpoint(saved)

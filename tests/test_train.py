@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 
 from conftest import FIRST_STEPS, parity_tolerance
+from jobs import JobInputs, job_fixture
 
 from spmd_rfdetr.metrics import aten_fallbacks, xla_counters
 from spmd_rfdetr.model import build_optimizer, build_upstream_criterion
@@ -93,26 +95,27 @@ out.update(scipy=[s["loss"] for s in stats], scipy_mode=trainer.step.mode, scipy
 print("RESULT", json.dumps(out))
 """
 SCIPY_STEPS = 3
+#: Upstream's steps on XLA: the two the 1e-5 bound holds for (later ones are compared on the CPU, within
+#: parity_tolerance); each more is one more lazily traced step of several graphs in the child.
+UPSTREAM_XLA_STEPS = 2
 
 
-@pytest.fixture(scope="module")
-def xla_child(tiny, tmp_path_factory) -> dict:
-    """:data:`XLA_CHILD`'s results: upstream's step on XLA for FIRST_STEPS steps, ours with the SciPy matcher for
+@job_fixture
+def xla_child(inputs: JobInputs, out: Path) -> dict:
+    """:data:`XLA_CHILD`'s results: upstream's step on XLA for UPSTREAM_XLA_STEPS steps, ours with the SciPy matcher for
     SCIPY_STEPS steps, from the tiny model's initial weights on the same batches."""
     import json
-    import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    inputs = tmp_path_factory.mktemp("xla_child") / "tiny.pt"
-    torch.save({"cfg": tiny.cfg, "init_state": tiny.init_state, "batches": tiny.batches[:FIRST_STEPS]}, inputs)
+    tiny = inputs.tiny
+    torch.save({"cfg": tiny.cfg, "init_state": tiny.init_state, "batches": tiny.batches[:SCIPY_STEPS]}, out / "tiny.pt")
     tests = Path(__file__).resolve().parent
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
-    child = subprocess.run([sys.executable, "-X", "faulthandler", "-c", XLA_CHILD, str(inputs), str(tests),
-                            str(FIRST_STEPS), str(SCIPY_STEPS)], cwd=tests.parent, env=env, capture_output=True,
+    env = {**inputs.env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+    child = subprocess.run([sys.executable, "-X", "faulthandler", "-c", XLA_CHILD, str(out / "tiny.pt"), str(tests),
+                            str(UPSTREAM_XLA_STEPS), str(SCIPY_STEPS)], cwd=tests.parent, env=env, capture_output=True,
                            text=True, timeout=1800)
-    (tmp_path_factory.getbasetemp() / "xla_child.err").write_text(child.stderr)
+    (out / "xla_child.err").write_text(child.stderr)
     stderr = "\n".join(line for line in child.stderr.splitlines() if "sharding_propagation" not in line)
     assert child.returncode == 0, stderr[-4000:]
     return json.loads(child.stdout.split("RESULT", 1)[1])
@@ -129,11 +132,11 @@ def test_parity_with_upstream_eager_step(tiny, first_steps, xla_child):
     norm = torch.sqrt(sum((r**2).sum() for r in ref_grads))
     assert abs(losses[0] - ref_losses[0]) <= 1e-5 * abs(ref_losses[0]), (losses[0], ref_losses[0])
     assert diff / norm <= 1e-4, f"gradient relative L2 error {float(diff / norm):.3g}"
-    assert len(losses) == len(ref_losses) == len(same_device) == FIRST_STEPS
-    for step, (ours, ref, xla_ref) in enumerate(zip(losses, ref_losses, same_device), start=1):
+    assert len(losses) == len(ref_losses) == FIRST_STEPS and len(same_device) == UPSTREAM_XLA_STEPS
+    for step, (ours, ref) in enumerate(zip(losses, ref_losses), start=1):
         assert abs(ours - ref) <= parity_tolerance(step) * abs(ref), (step, losses, ref_losses)
-        assert abs(ours - xla_ref) <= (1e-5 if step <= 2 else parity_tolerance(step)) * abs(xla_ref), (
-            step, losses, same_device)
+    for step, (ours, xla_ref) in enumerate(zip(losses, same_device), start=1):
+        assert abs(ours - xla_ref) <= 1e-5 * abs(xla_ref), (step, losses, same_device)
     print(f"parity: losses ours {losses} upstream {ref_losses} upstream on XLA {same_device}; step-1 grad rel L2 "
           f"{float(diff / norm):.3g}")
 
@@ -288,27 +291,30 @@ def test_a_nonfinite_step_changes_nothing_and_is_counted(tiny, mesh_trainer):
 
 
 @pytest.mark.slow
-def test_accumulating_two_micro_batches_equals_one_batch(tiny, mesh_trainer, first_steps):
-    """optim.accumulate=2 inside the one compiled step vs the whole batch at once (conftest's ``first_steps``), from
-    the same weights: the same loss and pre-clip gradient norm (rfdetr's whole-batch box count normalises both
-    halves), the same clipped gradients and the same weights after the update."""
+def test_accumulating_two_micro_batches_equals_one_batch(loop_tiny, mesh_trainer):
+    """optim.accumulate=2 inside the one compiled step vs the whole batch at once, from the same weights (the loop
+    model: the mechanism is the step's, not the backbone's): the same loss and pre-clip gradient norm (rfdetr's
+    whole-batch box count normalises both halves), the same clipped gradients and the same weights after the update."""
     import dataclasses
 
     from spmd_rfdetr.build import build_trainer
 
-    optim = dataclasses.replace(tiny.cfg.optim, accumulate=2)
-    trainer = build_trainer(mesh_trainer.fabric, tiny.cfgs, optim, tiny.cfg.trainer, model=tiny.model(),
-                            ema=tiny.cfg.model)
-    halves = trainer.step.read(trainer.step(mesh_trainer.to_device(tiny.batches[0])))
-    params = list(trainer.model.parameters())
-    grads = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in params]
-    whole = first_steps.stats[0]
+    def one_step(accumulate: int) -> tuple[dict[str, float], list[torch.Tensor], list[torch.Tensor]]:
+        optim = dataclasses.replace(loop_tiny.cfg.optim, accumulate=accumulate)
+        trainer = build_trainer(mesh_trainer.fabric, loop_tiny.cfgs, optim, loop_tiny.cfg.trainer,
+                                model=loop_tiny.model(), ema=loop_tiny.cfg.model)
+        stats = trainer.step.read(trainer.step(mesh_trainer.to_device(loop_tiny.batches[0])))
+        params = list(trainer.model.parameters())
+        grads = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in params]
+        return stats, grads, [p.detach().cpu() for p in params]
+
+    (whole, whole_grads, whole_weights), (halves, grads, weights) = one_step(1), one_step(2)
     assert halves["loss"] == pytest.approx(whole["loss"], rel=1e-5)
     assert halves["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
-    assert len(grads) == len(first_steps.grads) > 0 and any(g.abs().max() > 0 for g in grads)
-    scale = max(g.abs().max().item() for g in first_steps.grads)
-    assert max((a - b).abs().max().item() for a, b in zip(grads, first_steps.grads)) <= 1e-5 * scale
-    assert max((p.detach().cpu() - w).abs().max().item() for p, w in zip(params, first_steps.weights)) <= 1e-5
+    assert len(grads) == len(whole_grads) > 0 and any(g.abs().max() > 0 for g in grads)
+    scale = max(g.abs().max().item() for g in whole_grads)
+    assert max((a - b).abs().max().item() for a, b in zip(grads, whole_grads)) <= 1e-5 * scale
+    assert max((a - b).abs().max().item() for a, b in zip(weights, whole_weights)) <= 1e-5
 
 
 @pytest.mark.slow

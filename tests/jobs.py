@@ -1,0 +1,82 @@
+"""The suite's subprocess work, run on a background thread beside the in-process tests.
+
+A process compiling or running XLA programs on the CPU keeps about one core busy (the whole suite, run in order,
+kept 1.36 of CI's 2 cores busy: measured 2026-12-01), and about half of the suite's time is subprocesses: CLI fits,
+the TPU compiler, upstream's step in a child, the benchmark and README scripts. Each is a *job*: a function of
+:class:`JobInputs` and a directory of its own that starts processes and returns what its tests assert on.
+
+``@job_fixture`` makes a job a session fixture of its name: a test takes it as any fixture and gets the job's
+result (waiting for it; the job's exception is raised in the test). When the session starts, conftest runs the jobs
+of the selected tests one at a time (one process beside this one is what 2 cores hold), in the order of those tests,
+and moves the tests that read a job after the others, so the jobs run while the in-process tests do.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@dataclass(frozen=True)
+class JobInputs:
+    """What a job may read (made on the main thread before any job starts; read only)."""
+
+    synth_dir: str
+    """conftest's session dataset."""
+    tiny: Any
+    """conftest's ``Tiny``: the numerics model's configs, batches and initial weights."""
+    loop_config: Path
+    """conftest's ``loop_config`` as a ``fit`` YAML: the loop model's straight fit, as the CLI reads it."""
+    env: dict[str, str]
+    """The environment as the session started: a child's base (in-process tests set variables meanwhile)."""
+
+
+Job = Callable[[JobInputs, Path], Any]
+
+
+#: Every job of the suite by its fixture name, in the order the test modules define them.
+JOBS: dict[str, Job] = {}
+
+
+def job_fixture(job: Job) -> Any:
+    """``job`` as a session fixture named as it is: its result, computed in the background (:class:`Background`)."""
+    assert job.__name__ not in JOBS, f"two jobs are named {job.__name__}"
+    JOBS[job.__name__] = job
+
+    @pytest.fixture(scope="session", name=job.__name__)
+    def result(background: Background) -> Any:
+        return background.result(job)
+
+    result.__doc__ = job.__doc__
+    return result
+
+
+def jobs_of(item: pytest.Item) -> list[Job]:
+    """The jobs a test reads (directly or through its fixtures)."""
+    return [JOBS[name] for name in item.fixturenames if name in JOBS]
+
+
+class Background:
+    """The session's jobs on one worker thread, started in the order given."""
+
+    def __init__(self, inputs: JobInputs | None, jobs: Iterable[Job], root: Path) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="job")
+        self._futures: dict[Job, concurrent.futures.Future] = {}
+        for job in jobs:
+            (root / job.__name__).mkdir(parents=True)
+            self._futures[job] = self._pool.submit(job, inputs, root / job.__name__)
+
+    def result(self, job: Job) -> Any:
+        """``job``'s return value, once it has run (it raises what the job raised)."""
+        if job not in self._futures:
+            raise RuntimeError(f"{job.__name__} was not started: no collected test takes it as a fixture")
+        return self._futures[job].result()
+
+    def close(self) -> None:
+        """Drop the jobs not started (a session stopped early); the running one finishes."""
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -96,7 +96,7 @@ def background(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         base = tmp_path_factory.mktemp("loop-config")
         config = base / "config.yaml"
         config.write_text(yaml.safe_dump(dataclasses.asdict(loop_config(tiny, synth_dir, base, "replay")), sort_keys=False))
-        inputs = JobInputs(synth_dir, tiny, config, dict(os.environ))
+        inputs = JobInputs(synth_dir, tiny, request.getfixturevalue("loop_tiny"), config, dict(os.environ))
     jobs_running = Background(inputs, jobs, tmp_path_factory.mktemp("jobs"))
     yield jobs_running
     jobs_running.close()
@@ -165,7 +165,7 @@ def tiny(synth_dir: str) -> Tiny:
 
 @pytest.fixture(scope="session")
 def loop_tiny(synth_dir: str) -> Tiny:
-    """The loop model (:data:`LOOP_MODEL`): for tests of a mechanism that any RF-DETR shows (accumulation, buckets)."""
+    """The loop model (:data:`LOOP_MODEL`): for tests of a mechanism that any RF-DETR shows (buckets, several hosts)."""
     return make_tiny(LOOP_MODEL, synth_dir)
 
 
@@ -199,7 +199,7 @@ def mesh_trainer(tiny: Tiny) -> MeshTrainer:
                        trainer.ema)
 
 
-#: Steps of :func:`first_steps`: what the parity, SciPy-matcher and FSDP tests compare with.
+#: Steps of :func:`first_steps`: what the parity, accumulation, SciPy-matcher and FSDP tests compare with.
 FIRST_STEPS = 5
 
 
@@ -210,6 +210,8 @@ class FirstSteps:
     stats: list[dict[str, float]]
     grads: list[torch.Tensor]
     """Step 1's clipped gradients in parameter order (zeros where a parameter has none)."""
+    weights: list[torch.Tensor]
+    """The parameters after step 1's update."""
     mode: str
 
     @property
@@ -227,12 +229,14 @@ def first_steps(tiny: Tiny, mesh_trainer: MeshTrainer) -> FirstSteps:
 
     trainer = build_trainer(mesh_trainer.fabric, tiny.cfgs, tiny.cfg.optim, tiny.cfg.trainer, model=tiny.model(),
                             ema=tiny.cfg.model)
-    stats, grads = [], []
+    stats, grads, weights = [], [], []
     for i in range(FIRST_STEPS):
         stats.append(trainer.step.read(trainer.step(mesh_trainer.to_device(tiny.batches[i % len(tiny.batches)]))))
         if i == 0:
-            grads = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in trainer.model.parameters()]
-    result = FirstSteps(stats, grads, trainer.step.mode)
+            params = list(trainer.model.parameters())
+            grads = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in params]
+            weights = [p.detach().cpu() for p in params]
+    result = FirstSteps(stats, grads, weights, trainer.step.mode)
     del trainer
     gc.collect()
     return result

@@ -29,7 +29,9 @@ class JobInputs:
     synth_dir: str
     """conftest's session dataset."""
     tiny: Any
-    """conftest's ``Tiny``: the numerics model's configs, batches and initial weights."""
+    """conftest's ``tiny``: the numerics model's configs, batches and initial weights."""
+    loop_tiny: Any
+    """conftest's ``loop_tiny``: the same for the loop model."""
     loop_config: Path
     """conftest's ``loop_config`` as a ``fit`` YAML: the loop model's straight fit, as the CLI reads it."""
     env: dict[str, str]

@@ -17,8 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+from jobs import JobInputs, job_fixture
 from spmd_rfdetr.data import TrainBatches
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,6 +56,38 @@ metrics = CocoMetrics({"mAP": 0.5}, [], num_images=1, num_detections=1)
 result = EvalResult(metrics, [{"image_id": 1}], [1], 1)  # every host holds the same
 save_result(result, sys.argv[4], stem=f"host{rank}_")  # only host 0's files may appear
 hosts.barrier()
+print("RESULT", json.dumps(out))
+"""
+
+
+#: One host of two, on its own 2-device XLA CPU mesh: the loop model's replayed step on two batches, before and after
+#: the default gloo group exists (``fit`` joins one on several hosts; rfdetr's criterion would then all-reduce the XLA
+#: box count inside the traced step and divide by the host count, while under SPMD the count is already global).
+HOST_STEP = r"""
+import json, sys, torch
+import torch.distributed as dist
+import torch_xla.runtime as xr
+xr.use_spmd()
+from spmd_rfdetr.build import build_trainer
+from spmd_rfdetr.fabric import spmd_fabric
+from spmd_rfdetr.mesh import build_mesh
+from spmd_rfdetr.model import build_model, upstream_configs
+rank, count, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+saved = torch.load(sys.argv[4], weights_only=False)
+cfg = saved["cfg"]
+cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, num_classes=3)
+fabric = spmd_fabric(build_mesh(), precision="32-true")
+loader = fabric.strategy.process_dataloader(torch.utils.data.DataLoader(saved["batches"], batch_size=None))
+def steps():
+    net = build_model(cfgs)
+    net.load_state_dict(saved["init_state"])
+    trainer = build_trainer(fabric, cfgs, cfg.optim, cfg.trainer, model=net.train(), ema=cfg.model)
+    stats = [trainer.step.read(trainer.step(loader.to_device(b))) for b in saved["batches"]]
+    return {"losses": [s["loss"] for s in stats], "mode": trainer.step.mode}
+out = {"alone": steps()}
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=count)
+out["joined"] = steps()
+out["world"] = dist.get_world_size()
 print("RESULT", json.dumps(out))
 """
 
@@ -108,3 +142,31 @@ def test_the_minibatch_path_builds_the_global_batch_as_the_global_path():
     spec = torch_xla._XLAC._get_xla_sharding_spec
     assert spec(tensors[True]) == spec(tensors[False]) and "devices=[4,1,1]" in spec(tensors[False])
     assert torch.equal(tensors[True].cpu(), batch) and torch.equal(tensors[False].cpu(), batch)
+
+
+@job_fixture
+def two_hosts_step(inputs: JobInputs, out: Path) -> list[subprocess.CompletedProcess[str]]:
+    """:data:`HOST_STEP` in two processes of one gloo group, on the loop model's first two batches."""
+    tiny = inputs.loop_tiny
+    torch.save({"cfg": tiny.cfg, "init_state": tiny.init_state, "batches": tiny.batches[:2]}, out / "loop.pt")
+    port, count = free_port(), 2
+    env = {**inputs.env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
+    procs = [subprocess.Popen([sys.executable, "-c", HOST_STEP, str(rank), str(count), str(port), str(out / "loop.pt")],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(count)]
+    return [subprocess.CompletedProcess(p.args, p.returncode, *p.communicate(timeout=900)) for p in procs]
+
+
+@pytest.mark.slow
+def test_the_replayed_step_runs_as_one_host_with_a_gloo_default_group(two_hosts_step):
+    """Each of two hosts replays the loop model's compiled step after joining the gloo group exactly as before it:
+    the same losses bit for bit (no collective of rfdetr's in the traced step, no loss scaled by the host count) and
+    still one replayed program."""
+    results = []
+    for proc in two_hosts_step:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        results.append(json.loads(proc.stdout.split("RESULT", 1)[1]))
+    for r in results:
+        assert r["world"] == 2 and r["alone"]["mode"] == r["joined"]["mode"] == "replay", r
+        assert r["joined"]["losses"] == r["alone"]["losses"] and len(set(r["alone"]["losses"])) == 2, r
+    assert results[0]["alone"]["losses"] == results[1]["alone"]["losses"]  # the same batches on both hosts

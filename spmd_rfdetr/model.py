@@ -89,7 +89,7 @@ def upstream_configs(model: ModelOptions, data: DataOptions, optim: OptimOptions
 
 @contextlib.contextmanager
 def _dinov2_blocks(blocks: int | None) -> Iterator[None]:
-    """rfdetr reads DINOv2's depth from its JSON config with no override: while building, that config says ``blocks``."""
+    """While building, rfdetr's DINOv2 config says ``blocks`` (rfdetr reads the depth from a JSON file, no override)."""
     if blocks is None:
         yield
         return

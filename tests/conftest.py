@@ -95,7 +95,8 @@ def background(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         synth_dir, tiny = request.getfixturevalue("synth_dir"), request.getfixturevalue("tiny")
         base = tmp_path_factory.mktemp("loop-config")
         config = base / "config.yaml"
-        config.write_text(yaml.safe_dump(dataclasses.asdict(loop_config(tiny, synth_dir, base, "replay")), sort_keys=False))
+        loop = dataclasses.asdict(loop_config(tiny, synth_dir, base, "replay"))
+        config.write_text(yaml.safe_dump(loop, sort_keys=False))
         inputs = JobInputs(synth_dir, tiny, request.getfixturevalue("loop_tiny"), config, dict(os.environ))
     jobs_running = Background(inputs, jobs, tmp_path_factory.mktemp("jobs"))
     yield jobs_running

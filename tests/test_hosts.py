@@ -154,7 +154,11 @@ def two_hosts_step(inputs: JobInputs, out: Path) -> list[subprocess.CompletedPro
     procs = [subprocess.Popen([sys.executable, "-c", HOST_STEP, str(rank), str(count), str(port), str(out / "loop.pt")],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(count)]
-    return [subprocess.CompletedProcess(p.args, p.returncode, *p.communicate(timeout=900)) for p in procs]
+    done = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=900)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    return done
 
 
 @pytest.mark.slow

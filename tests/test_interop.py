@@ -188,7 +188,8 @@ def test_backbone_blocks_build_a_shallower_rfdetr_and_leave_rfdetr_as_it_was():
         net = build_model(cfgs).eval()
         with torch.no_grad():
             out = net(as_samples(torch.zeros(1, 3, 128, 128)))
-        return len(net.backbone[0].encoder.encoder.encoder.layer), cfgs.model.out_feature_indexes, out["pred_boxes"].shape
+        layers = net.backbone[0].encoder.encoder.encoder.layer
+        return len(layers), cfgs.model.out_feature_indexes, out["pred_boxes"].shape
 
     read = dinov2.get_config
     assert blocks(ModelOptions(backbone_blocks=2, **TINY)) == (2, [1, 2], (1, 30, 4))

@@ -82,9 +82,9 @@ def test_the_position_table_resize_runs_on_the_device_as_upstreams_on_the_cpu():
 @pytest.mark.slow
 def test_buckets_compile_before_step_1_and_train_as_upstream(loop_tiny, mesh_trainer, synth_dir):
     """8 steps of the loop model over 2 buckets from the real loader (sizes as upstream draws them), each bucket's
-    program compiled before step 1 from a blank batch (as ``fit`` does): the sizes follow the step; the step is traced once
-    per bucket (+1: the replay check at step 1) and no step compiles; each step's loss equals upstream's eager step on
-    the same batches (so compiling ahead left the state alone): step 1 to 1e-5, each bucket's first step and steps
+    program compiled before step 1 from a blank batch (as ``fit`` does): the sizes follow the step; the step is traced
+    once per bucket (+1: the replay check at step 1) and no step compiles; each step's loss equals upstream's eager
+    step on the same batches (so compiling ahead left the state alone): step 1 to 1e-5, each bucket's first step and steps
     1-5 within :func:`parity_tolerance` (measured up to step 5), later steps within 1e-2 (two correct float32 runs
     drift further as near-tied proposal rankings flip: 2.5e-3 measured at step 12 over 3 buckets of the tiny model)."""
     from spmd_rfdetr.build import build_trainer

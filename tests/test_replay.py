@@ -1,7 +1,8 @@
 """Trace once, replay (``trainer.step_mode=replay``) against lazy tracing and eager CPU references.
 
 The fit-level tests compare the session's replayed loop fit (``conftest.loop_run``) with the same fit in trace mode
-(stopped early by an in-process SIGTERM). The rest use a toy model through the same ``TrainStep`` / :class:`Replayer` (graphs that compile in seconds).
+(stopped early by an in-process SIGTERM). The rest use a toy model through the same ``TrainStep`` /
+:class:`Replayer` (graphs that compile in seconds).
 """
 
 from __future__ import annotations

@@ -307,8 +307,6 @@ def test_scipy_matcher_steps_equal_the_device_matchers(first_steps, xla_child):
     print(f"device matcher {device}, scipy matcher {scipy}")
 
 
-# The last test on the session trainer: the EMA test, which ran after it, compiled one graph at its first step (~100 s
-# on CI's cores), likely because this test's aborted trace leaves the trainer's tensors changed (not verified).
 @pytest.mark.parametrize("mode", ["replay", pytest.param("trace", marks=pytest.mark.slow)])  # trace compiles (below)
 def test_a_stray_host_sync_in_the_step_fails_loudly(tiny, mesh_trainer, mode):
     """full_graph=True: an `.item()` inside the step raises torch_xla's own error (execution is disallowed while the

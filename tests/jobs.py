@@ -7,8 +7,10 @@ the TPU compiler, upstream's step in a child, the benchmark and README scripts. 
 
 ``@job_fixture`` makes a job a session fixture of its name: a test takes it as any fixture and gets the job's
 result (waiting for it; the job's exception is raised in the test). When the session starts, conftest runs the jobs
-of the selected tests one at a time (one process beside this one is what 2 cores hold), in the order of those tests,
-and moves the tests that read a job after the others, so the jobs run while the in-process tests do.
+of the selected tests one at a time (one process beside this one is what 2 cores hold), in the order of ``JOBS``
+(the order the test modules are imported), and moves the tests that read a job after the others, in that order, so
+the jobs run while the in-process tests do. A job must build its child's environment from ``JobInputs.env``: code it
+calls that reads ``os.environ`` itself (the ``aot`` check's children) sees what an in-process test set meanwhile.
 """
 
 from __future__ import annotations

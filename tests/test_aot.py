@@ -1,10 +1,10 @@
 """The real TPU compiler (libtpu, the ``aot`` extra) on the programs ``fit`` runs, for real TPU topologies, on this CPU.
 
 The tiny config (``configs/cpu.yaml``) at a smaller depth (:data:`DEPTH`: what is asserted is the programs'
-structure, which one block of each kind shows as well as twelve) on v5e:2x2
-through the ``aot`` verb (a subprocess, as a user runs it), and its training step on one chip (v5e:1x1, the same
-global batch) and traced at 8 images per chip, by the verb's own two children. All three are background jobs
-(``jobs.py``). What is asserted is the compiler's own report: that the programs compile,
+structure, which one block of each kind shows as well as twelve) on v5e:2x2 through the ``aot`` verb (a subprocess,
+as a user runs it), and its training step on one chip (v5e:1x1, the same global batch) and traced at
+:data:`LARGE_BATCH` images per chip, by the verb's own two children. All three are background jobs (``jobs.py``).
+What is asserted is the compiler's own report: that the programs compile,
 how the FLOPs divide over the chips (a dropped sharding would leave one chip's FLOPs on every chip), how much of the
 training state the step updates in place, and the collectives of the partitioned program.
 """
@@ -33,6 +33,8 @@ DEPTH = {"backbone_blocks": 2, "dec_layers": LOOP_MODEL.dec_layers}
 #: The global batch of the verb's and the one-chip compile (cpu.yaml's: 2 images per chip on v5e:2x2). The one-chip
 #: compile is the longest job (measured beside the in-process tests: 3 min at 8 images; at 4 images over 6 min).
 BATCH = 8
+#: Images per chip of the trace that must not grow (one more size is one more trace child, ~30 s).
+LARGE_BATCH = 8
 
 
 def tiny_config(per_device: int | None = None, devices: int = 4):
@@ -75,16 +77,14 @@ def single_chip(inputs: JobInputs, out: Path) -> dict:
 
 
 @job_fixture
-def batch_traces(inputs: JobInputs, out: Path) -> dict[int, dict]:
-    """The tiny config's training step as traced for the compiler (not compiled) at 8 images per chip."""
+def large_batch_trace(inputs: JobInputs, out: Path) -> dict:
+    """The tiny config's training step as traced for the compiler (not compiled) at :data:`LARGE_BATCH` per chip."""
     from spmd_rfdetr.aot.check import trace
     from spmd_rfdetr.config import resolve_and_check
 
-    traced = {}
-    for per_device in (8,):  # one more size is one more trace child (~30 s)
-        cfg = tiny_config(per_device=per_device)
-        resolve_and_check(cfg, 4)
-        (traced[per_device],) = trace(cfg, out / str(per_device), train_only=True)
+    cfg = tiny_config(per_device=LARGE_BATCH)
+    resolve_and_check(cfg, 4)
+    (traced,) = trace(cfg, out, train_only=True)
     return traced
 
 
@@ -124,15 +124,14 @@ def test_flops_divide_over_the_chips(verb: dict, single_chip: dict) -> None:
     assert one["flops"] / four["flops"] == pytest.approx(4, rel=0.1), (one["flops"], four["flops"])
 
 
-def test_the_program_does_not_grow_with_the_batch(verb: dict, batch_traces: dict) -> None:
+def test_the_program_does_not_grow_with_the_batch(verb: dict, large_batch_trace: dict) -> None:
     """Nothing per image is unrolled into the trace: at 8 images per chip the training step the trace hands to the
     compiler has exactly the instructions it has at 2 (a per-image loop would have 4x of them). (Compiled by hand, 2
     vs 8 per chip: 1.2x the compile time, 1.8x the TPU code, the backend's code per tile of larger tensors; FLOPs
     3.9x.)"""
-    small = verb["train_step 128px"]
-    for per_device, large in batch_traces.items():
-        assert large["images_per_device"] == per_device
-        assert large["traced_instructions"] == small["traced_instructions"] > 10_000, (per_device, large, small)
+    small, large = verb["train_step 128px"], large_batch_trace
+    assert large["images_per_device"] == LARGE_BATCH
+    assert large["traced_instructions"] == small["traced_instructions"] > 10_000, (large, small)
 
 
 def test_a_program_that_does_not_fit_is_exit_2_with_the_compilers_numbers(tmp_path: Path) -> None:

@@ -74,14 +74,15 @@ LOOP_STEPS = 24
 
 
 def job_order(item: pytest.Item) -> int:
-    """0 for a test that reads no background job, else 1 + the place of the last of its jobs in ``jobs.JOBS`` (the
-    order they run in)."""
+    """0 for a test that reads no background job, else how far from the end of ``jobs.JOBS`` (the order the worker
+    runs them in) the last of its jobs is, plus 1."""
     order = list(JOBS.values())
-    return max((order.index(job) + 1 for job in jobs_of(item)), default=0)
+    return max((len(order) - order.index(job) for job in jobs_of(item)), default=0)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests that read a background job (``jobs.py``) run after the others, as their jobs finish."""
+    """The tests that read a background job (``jobs.py``) run after the others, those of the last jobs first: a job
+    the worker has not started by then runs in this process's thread (``jobs.Background``)."""
     items.sort(key=job_order)
 
 
@@ -101,6 +102,11 @@ def background(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     jobs_running = Background(inputs, jobs, tmp_path_factory.mktemp("jobs"))
     yield jobs_running
     jobs_running.close()
+    if jobs_running.ended:
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_sep("-", "background jobs")
+            reporter.write_line(jobs_running.summary())
 
 
 @pytest.fixture(scope="module", autouse=True)

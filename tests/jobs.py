@@ -8,14 +8,18 @@ the TPU compiler, upstream's step in a child, the benchmark and README scripts. 
 ``@job_fixture`` makes a job a session fixture of its name: a test takes it as any fixture and gets the job's
 result (waiting for it; the job's exception is raised in the test). When the session starts, conftest runs the jobs
 of the selected tests one at a time (one process beside this one is what 2 cores hold), in the order of ``JOBS``
-(the order the test modules are imported), and moves the tests that read a job after the others, in that order, so
-the jobs run while the in-process tests do. A job must build its child's environment from ``JobInputs.env``: code it
-calls that reads ``os.environ`` itself (the ``aot`` check's children) sees what an in-process test set meanwhile.
+(the order the test modules are imported), and moves the tests that read a job after the others, those of the last
+job first, so the jobs run while the in-process tests do; when those are done, the main thread runs the queue's
+jobs from its end while the worker runs it from the front. A job must build its child's environment from
+``JobInputs.env``: code it calls that reads ``os.environ`` itself (the ``aot`` check's children) sees what an
+in-process test set meanwhile. conftest prints each job's time at the end of the session.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,20 +70,46 @@ def jobs_of(item: pytest.Item) -> list[Job]:
 
 
 class Background:
-    """The session's jobs on one worker thread, started in the order given."""
+    """The session's jobs on one worker thread, started in the order given; a job asked for before the worker has
+    started it runs on the asking thread instead (the readers ask from the last job back: the worker and the main
+    thread then meet in the middle of the queue, both cores busy to the end)."""
 
     def __init__(self, inputs: JobInputs | None, jobs: Iterable[Job], root: Path) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="job")
         self._futures: dict[Job, concurrent.futures.Future] = {}
+        self._inputs, self._root = inputs, root
+        self._started = time.monotonic()
+        self.ended: dict[str, tuple[float, float, str]] = {}
+        """Each finished job's (seconds it ran, seconds since the jobs started when it ended, the thread it ran on)."""
         for job in jobs:
             (root / job.__name__).mkdir(parents=True)
-            self._futures[job] = self._pool.submit(job, inputs, root / job.__name__)
+            self._futures[job] = self._pool.submit(self._timed, job)
+
+    def _timed(self, job: Job) -> Any:
+        start = time.monotonic()
+        try:
+            return job(self._inputs, self._root / job.__name__)
+        finally:
+            end = time.monotonic()
+            self.ended[job.__name__] = (end - start, end - self._started, threading.current_thread().name)
 
     def result(self, job: Job) -> Any:
         """``job``'s return value, once it has run (it raises what the job raised)."""
         if job not in self._futures:
             raise RuntimeError(f"{job.__name__} was not started: no collected test takes it as a fixture")
-        return self._futures[job].result()
+        future = self._futures[job]
+        if future.cancel():  # still queued: run it here rather than wait behind the worker's queue
+            future = self._futures[job] = concurrent.futures.Future()
+            try:
+                future.set_result(self._timed(job))
+            except BaseException as error:  # noqa: BLE001 - every reader of the job gets what it raised
+                future.set_exception(error)
+        return future.result()
+
+    def summary(self) -> str:
+        """One line per finished job: how long it ran, when it ended and where (what to cut when the suite grows)."""
+        return "\n".join(f"{name:<20} {took:6.0f} s, ended at {at:6.0f} s on {thread}"
+                         for name, (took, at, thread) in self.ended.items())
 
     def close(self) -> None:
         """Drop the jobs not started (a session stopped early); the running one finishes."""

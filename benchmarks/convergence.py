@@ -27,8 +27,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run from a checkout without installing the package
-STAT_NAMES = ("mAP", "mAP50", "mAP75", "mAP_small", "mAP_medium", "mAP_large",
-              "AR1", "AR10", "AR100", "AR_small", "AR_medium", "AR_large")
 
 
 def upstream_eager_stats(checkpoint: Path, split: str) -> list[float]:
@@ -51,7 +49,8 @@ def upstream_eager_stats(checkpoint: Path, split: str) -> list[float]:
     net.load_state_dict(state["model"])
     net.eval()
     postprocess = build_upstream_criterion(cfgs)[1]
-    evaluator = CocoEvaluator(get_coco_api_from_dataset(dataset), ["bbox"], log_summary=False)
+    max_dets = c["eval"].get("max_dets", 100)  # the fit's own eval setting (before it existed: pycocotools' 100)
+    evaluator = CocoEvaluator(get_coco_api_from_dataset(dataset), ["bbox"], max_dets=max_dets, log_summary=False)
     with torch.no_grad():
         for start in range(0, len(dataset), 8):
             items = [dataset[i] for i in range(start, min(start + 8, len(dataset)))]
@@ -95,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
              for r in records if "eval/mAP" in r]
     child = subprocess.run([sys.executable, __file__, "--_upstream", str(out / "last.pth")], cwd=ROOT, check=True,
                            capture_output=True, text=True, env=_env_without_xla())
-    upstream = dict(zip(STAT_NAMES, json.loads(child.stdout.strip().splitlines()[-1])))
+    from spmd_rfdetr.coco import stat_names
+
+    max_dets = json.loads((out / "eval" / f"step{records[-1]['step']:07d}_coco_eval.json").read_text())["max_dets"]
+    upstream = dict(zip(stat_names(max_dets), json.loads(child.stdout.strip().splitlines()[-1])))
     ours = evals[-1]
     diff = abs(ours["mAP"] - upstream["mAP"])
     print("\n| step | mAP | mAP50 | mAP75 |\n|---|---|---|---|")

@@ -30,8 +30,8 @@ from spmd_rfdetr.config import (
     OptimOptions,
     RunConfig,
     TrainerOptions,
-    resolve_and_check,
 )
+from spmd_rfdetr.resolve import resolve_and_check
 from spmd_rfdetr.synth import synth
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)  # each config field's docstring is its --help

@@ -21,9 +21,15 @@ from torch.utils.data import Dataset
 
 #: Columns of a packed detection row.
 SCORE, LABEL, BOXES = 0, 1, slice(2, 6)
-#: ``eval/...`` keys of :attr:`CocoMetrics.stats`, in pycocotools' ``COCOeval.stats`` order.
-STAT_NAMES = ("mAP", "mAP50", "mAP75", "mAP_small", "mAP_medium", "mAP_large",
-              "AR1", "AR10", "AR100", "AR_small", "AR_medium", "AR_large")
+#: Detections per image COCO scores by default: upstream's training eval (``TrainConfig.eval_max_dets``).
+MAX_DETS = 500
+
+
+def stat_names(max_dets: int = MAX_DETS) -> tuple[str, ...]:
+    """``eval/...`` keys of :attr:`CocoMetrics.stats`, in pycocotools' ``COCOeval.stats`` order (maxDets 1, 10 and
+    ``max_dets``)."""
+    return ("mAP", "mAP50", "mAP75", "mAP_small", "mAP_medium", "mAP_large",
+            "AR1", "AR10", f"AR{max_dets}", "AR_small", "AR_medium", "AR_large")
 
 
 def detections_to_coco(
@@ -49,12 +55,14 @@ def detections_to_coco(
 
 @dataclass
 class CocoMetrics:
-    """pycocotools' bbox summary (``stats``, keys of :data:`STAT_NAMES`) and per-class AP."""
+    """pycocotools' bbox summary (``stats``, keys of :func:`stat_names`) and per-class AP."""
 
     stats: dict[str, float]
     per_class: list[dict[str, Any]]
     num_images: int
     num_detections: int
+    max_dets: int = MAX_DETS
+    """pycocotools' largest ``maxDets``: the detections per image mAP and the last AR count."""
 
     def record(self, prefix: str = "eval/") -> dict[str, float]:
         """Flat ``{"eval/mAP": ...}`` for ``metrics.jsonl``."""
@@ -63,7 +71,7 @@ class CocoMetrics:
     def table(self) -> str:
         """The summary and the per-class table, as printed."""
         head = "  ".join(f"{k} {v:.4f}" for k, v in self.stats.items())
-        lines = [f"COCO bbox ({self.num_images} images, {self.num_detections} detections): {head}",
+        lines = [f"COCO bbox ({self.num_images} images, {self.num_detections} detections, maxDets {self.max_dets}): {head}",
                  f"{'class':<20} {'id':>5} {'AP':>7} {'AP50':>7} {'AP75':>7} {'gt':>6}"]
         for row in self.per_class:
             lines.append(f"{row['name']:<20} {row['category_id']:>5} {row['AP']:>7.4f} {row['AP50']:>7.4f} "
@@ -79,10 +87,14 @@ def _mean_valid(values: np.ndarray) -> float:
     return float(valid.mean()) if valid.size else -1.0
 
 
-def coco_metrics(coco_gt: Any, results: list[dict[str, Any]], image_ids: Iterable[int]) -> CocoMetrics:
-    """Score COCO results against ``coco_gt`` on ``image_ids`` with pycocotools (maxDets 1/10/100)."""
+def coco_metrics(coco_gt: Any, results: list[dict[str, Any]], image_ids: Iterable[int],
+                 max_dets: int = MAX_DETS) -> CocoMetrics:
+    """Score COCO results against ``coco_gt`` on ``image_ids`` with pycocotools at maxDets 1, 10 and ``max_dets``,
+    summarised as upstream's training eval does (rfdetr's ``patched_pycocotools_summarize``: mAP at ``max_dets``,
+    where pycocotools' own summary reads it at 100)."""
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
+    from rfdetr.evaluation.coco_eval import patched_pycocotools_summarize
 
     gt = coco_gt
     if type(gt) is not COCO:  # e.g. faster-coco-eval's COCO: rebuild a pycocotools one
@@ -95,10 +107,11 @@ def coco_metrics(coco_gt: Any, results: list[dict[str, Any]], image_ids: Iterabl
         dt = gt.loadRes([dict(r) for r in results]) if results else _empty_results(gt)  # loadRes adds keys
         evaluator = COCOeval(gt, dt, iouType="bbox")
         evaluator.params.imgIds = img_ids
+        evaluator.params.maxDets = [1, 10, max_dets]
         evaluator.evaluate()
         evaluator.accumulate()
-        evaluator.summarize()
-    stats = {name: float(v) for name, v in zip(STAT_NAMES, evaluator.stats)}
+        patched_pycocotools_summarize(evaluator, log_summary=False)
+    stats = {name: float(v) for name, v in zip(stat_names(max_dets), evaluator.stats)}
     precision = evaluator.eval["precision"]  # [iou T, recall R, class K, area A, maxDets M]
     gt_counts: dict[int, int] = {}
     for image_id in img_ids:
@@ -118,7 +131,7 @@ def coco_metrics(coco_gt: Any, results: list[dict[str, Any]], image_ids: Iterabl
             "AP75": _mean_valid(p[5]),
             "num_gt": gt_counts.get(category_id, 0),
         })
-    return CocoMetrics(stats, per_class, len(img_ids), len(results))
+    return CocoMetrics(stats, per_class, len(img_ids), len(results), max_dets)
 
 
 def _empty_results(gt: Any) -> Any:

@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from spmd_rfdetr import hosts
-from spmd_rfdetr.coco import CocoMetrics, coco_metrics, detections_to_coco, label2cat_of
+from spmd_rfdetr.coco import MAX_DETS, CocoMetrics, coco_metrics, detections_to_coco, label2cat_of
 from spmd_rfdetr.config import RunConfig
 
 
@@ -249,18 +249,19 @@ class Evaluator:
         num_select: detections per image (rfdetr's ``num_select``).
         autocast: forward context (Fabric's precision), see :class:`EvalForward`.
         num_workers: DataLoader workers.
+        max_dets: detections per image COCO scores (``eval.max_dets``).
     """
 
     def __init__(self, model: torch.nn.Module, dataset: Dataset[Any], *, mesh: Any, global_batch_size: int,
                  resolution: int, num_select: int, autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-                 num_workers: int = 0) -> None:
+                 num_workers: int = 0, max_dets: int = MAX_DETS) -> None:
         from rfdetr.datasets import get_coco_api_from_dataset
 
         self.dataset = dataset
         self.coco_gt = get_coco_api_from_dataset(dataset)
         if self.coco_gt is None:
             raise ValueError(f"{type(dataset).__name__} has no COCO ground truth to evaluate against")
-        self.label2cat = label2cat_of(dataset)
+        self.label2cat, self.max_dets = label2cat_of(dataset), max_dets
         from spmd_rfdetr.fabric import replicate_parameters
 
         self.forward = EvalForward(model, num_select, autocast)
@@ -276,7 +277,7 @@ class Evaluator:
     def run(self) -> EvalResult:
         """Detect on the whole split, then score with COCOeval (host, process 0)."""
         detections, ids, batches = self.detect()
-        return EvalResult(coco_metrics(self.coco_gt, detections, ids), detections, ids, batches)
+        return EvalResult(coco_metrics(self.coco_gt, detections, ids, self.max_dets), detections, ids, batches)
 
 
 def device_sender(mesh: Any) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
@@ -360,4 +361,5 @@ def evaluator_for(cfg: RunConfig, cfgs: Any, model: torch.nn.Module, fabric: Any
     return Evaluator(
         model, dataset, mesh=fabric.strategy.mesh, global_batch_size=batch_size, resolution=cfgs.model.resolution,
         num_select=num_select, autocast=fabric.strategy.precision.forward_context, num_workers=cfg.data.num_workers,
+        max_dets=cfg.eval.max_dets,
     )

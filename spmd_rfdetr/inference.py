@@ -38,7 +38,7 @@ def load_for_inference(cfg: RunConfig, checkpoint: str) -> tuple[RunConfig, Any,
 
     Returns (the config completed from the checkpoint, fabric, upstream configs, model).
     """
-    from spmd_rfdetr.config import resolve_and_check
+    from spmd_rfdetr.resolve import resolve_and_check
     from spmd_rfdetr.runtime import PRECISIONS, setup_runtime
 
     saved = read_weights(checkpoint)

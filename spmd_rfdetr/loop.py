@@ -14,7 +14,8 @@ import yaml
 
 from spmd_rfdetr import hosts
 from spmd_rfdetr.checks import check_data
-from spmd_rfdetr.config import RunConfig, multi_scale_buckets, resolve_and_check, upstream_scales
+from spmd_rfdetr.config import RunConfig
+from spmd_rfdetr.resolve import multi_scale_buckets, resolve_and_check, upstream_scales
 from spmd_rfdetr.runtime import PRECISIONS, setup_runtime
 
 if TYPE_CHECKING:

@@ -69,7 +69,7 @@ def single_chip(inputs: JobInputs, out: Path) -> dict:
     """The tiny config's training step (global batch :data:`BATCH`) traced on one device, compiled for v5e:1x1, as the
     verb does it (its trace and compile children)."""
     from spmd_rfdetr.aot.check import _run
-    from spmd_rfdetr.config import resolve_and_check
+    from spmd_rfdetr.resolve import resolve_and_check
 
     cfg = tiny_config(devices=1)
     resolve_and_check(cfg, 1)
@@ -80,7 +80,7 @@ def single_chip(inputs: JobInputs, out: Path) -> dict:
 def large_batch_trace(inputs: JobInputs, out: Path) -> dict:
     """The tiny config's training step as traced for the compiler (not compiled) at :data:`LARGE_BATCH` per chip."""
     from spmd_rfdetr.aot.check import trace
-    from spmd_rfdetr.config import resolve_and_check
+    from spmd_rfdetr.resolve import resolve_and_check
 
     cfg = tiny_config(per_device=LARGE_BATCH)
     resolve_and_check(cfg, 4)

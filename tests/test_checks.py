@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 
-from spmd_rfdetr import config
+from spmd_rfdetr import config, resolve
 from spmd_rfdetr.checks import DataError, check_data
 from spmd_rfdetr.cli import main
-from spmd_rfdetr.config import ConfigError, DataOptions, EvalOptions, ModelOptions, RunConfig, resolve_and_check
+from spmd_rfdetr.config import ConfigError, DataOptions, EvalOptions, ModelOptions, RunConfig
+from spmd_rfdetr.resolve import resolve_and_check
 from spmd_rfdetr.synth import synth
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,10 +219,10 @@ def test_config_problems_are_listed_together() -> None:
 
 
 def test_bf16_on_the_cpu_backend_warns_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(config, "_warned", set())  # this process may have warned already
+    monkeypatch.setattr(resolve, "_warned", set())  # this process may have warned already
     cfg = RunConfig(data=DataOptions(global_batch_size=8))
     cfg.trainer.precision = "bf16"
-    with caplog.at_level("WARNING", logger="spmd_rfdetr.config"):
+    with caplog.at_level("WARNING", logger="spmd_rfdetr.resolve"):
         for _ in range(2):
             resolve_and_check(copy.deepcopy(cfg), device_count=4)  # this test process runs on XLA CPU devices
     warnings = [r.message for r in caplog.records if "trainer.precision=bf16 on the XLA CPU backend" in r.message]

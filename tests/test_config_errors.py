@@ -1,4 +1,4 @@
-"""Every message of :func:`spmd_rfdetr.config.resolve_and_check`, one bad field at a time (no XLA, no data read).
+"""Every message of :func:`spmd_rfdetr.resolve.resolve_and_check`, one bad field at a time (no XLA, no data read).
 
 tests/test_checks.py covers the resolution rule per variant, ``max_targets`` vs queries, ``multi_scale``, ``mesh.data``
 of 0 or more than the devices, and the bf16-on-CPU warning; tests/test_cli.py the batch vs data axis message through
@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 import pytest
 
-from spmd_rfdetr import config, openxla_fix
-from spmd_rfdetr.config import ConfigError, DataOptions, RunConfig, resolve_and_check
+from spmd_rfdetr import openxla_fix, resolve
+from spmd_rfdetr.config import ConfigError, DataOptions, RunConfig
+from spmd_rfdetr.resolve import resolve_and_check
 
 
 def edited(**sections: dict[str, object]) -> Callable[[], RunConfig]:
@@ -87,7 +88,7 @@ def test_openxla_is_refused_where_the_fix_is_not_verified(monkeypatch: pytest.Mo
     monkeypatch.setattr(openxla_fix, "fix_available", lambda: False)
     with pytest.raises(ConfigError) as error:
         resolve_and_check(cfg())
-    assert config.OPENXLA_TRAINING_REFUSED.format(verified="2.9.0") in str(error.value)
+    assert resolve.OPENXLA_TRAINING_REFUSED.format(verified="2.9.0") in str(error.value)
 
 
 @pytest.mark.parametrize(("mesh_data", "devices", "expected"), [(-1, 4, 8), (-1, 8, 16), (2, 4, 4), (1, 1, 2)])

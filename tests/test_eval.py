@@ -75,7 +75,10 @@ def first_eval(tiny, trained_state, valid_split):
 
 
 def upstream_eager_eval(tiny, state, dataset):
-    """Upstream rfdetr on the CPU: its model, its PostProcess and its CocoEvaluator (faster-coco-eval)."""
+    """Upstream rfdetr on the CPU: its model, its PostProcess and its CocoEvaluator (faster-coco-eval) at its training
+    eval's ``eval_max_dets`` (pycocotools caps detections per image and class: the tiny model's 30 queries give at
+    most 30, so 500 and 100 agree here; ``test_coco.py`` scores more)."""
+    from rfdetr.config import TrainConfig
     from rfdetr.datasets import get_coco_api_from_dataset
     from rfdetr.evaluation.coco_eval import CocoEvaluator
 
@@ -85,7 +88,8 @@ def upstream_eager_eval(tiny, state, dataset):
     net.load_state_dict(state)
     net.eval()
     postprocess = build_upstream_criterion(tiny.cfgs)[1]
-    evaluator = CocoEvaluator(get_coco_api_from_dataset(dataset), ["bbox"], log_summary=False)
+    max_dets = TrainConfig.model_fields["eval_max_dets"].default
+    evaluator = CocoEvaluator(get_coco_api_from_dataset(dataset), ["bbox"], max_dets=max_dets, log_summary=False)
     rows = []
     with torch.no_grad():
         for start in range(0, len(dataset), 8):
@@ -121,9 +125,26 @@ def test_padded_split_one_eval_graph_and_upstream_eager_parity(tiny, trained_sta
     np.testing.assert_allclose(rows[..., BOXES], ref_rows[..., BOXES], atol=1e-2)  # pixels of a 160 px image
 
 
-def test_map_equals_pycocotools_on_the_detections_json(first_eval, synth_dir, tmp_path):
-    from pycocotools.coco import COCO
+def pycocotools_eval(gt, detections: Path, image_ids, max_dets: int | None = None):
+    """pycocotools' own COCOeval of a results file, accumulated and summarised (at ``maxDets`` 1, 10, ``max_dets``)."""
     from pycocotools.cocoeval import COCOeval
+
+    coco_eval = COCOeval(gt, gt.loadRes(str(detections)), "bbox")
+    coco_eval.params.imgIds = sorted(image_ids)
+    if max_dets is not None:
+        coco_eval.params.maxDets = [1, 10, max_dets]
+    coco_eval.evaluate()
+    coco_eval.accumulate()
+    coco_eval.summarize()
+    return coco_eval
+
+
+def test_map_equals_pycocotools_on_the_detections_json(first_eval, synth_dir, tmp_path):
+    """Our summary at maxDets 500 is pycocotools' at maxDets (1, 10, 500): its stats, with the mAP its own summary
+    leaves at -1 (it reads mAP at 100 detections) taken from its accumulated precision as upstream's summary does."""
+    from pycocotools.coco import COCO
+
+    from spmd_rfdetr.coco import MAX_DETS
 
     _, result, _ = first_eval
     summary = ev.save_result(result, tmp_path)
@@ -132,14 +153,14 @@ def test_map_equals_pycocotools_on_the_detections_json(first_eval, synth_dir, tm
     detections = json.loads((tmp_path / "detections.json").read_text())
     assert set(detections[0]) == {"image_id", "category_id", "bbox", "score"}
     assert {d["category_id"] for d in detections} <= {1, 2, 3}  # the dataset's ids, not rfdetr's label indices
+    assert saved["max_dets"] == result.metrics.max_dets == MAX_DETS == 500
     gt = COCO(str(Path(synth_dir) / "valid" / "_annotations.coco.json"))
-    coco_eval = COCOeval(gt, gt.loadRes(str(tmp_path / "detections.json")), "bbox")
-    coco_eval.params.imgIds = sorted(result.image_ids)
-    coco_eval.evaluate()
-    coco_eval.accumulate()
-    coco_eval.summarize()
-    np.testing.assert_allclose(list(result.metrics.stats.values()), coco_eval.stats, atol=1e-6, rtol=0)
-    assert saved["stats"] == result.metrics.stats
+    at_500 = pycocotools_eval(gt, tmp_path / "detections.json", result.image_ids, MAX_DETS)
+    ours = list(result.metrics.stats.values())
+    precision = at_500.eval["precision"][:, :, :, 0, 2]  # [iou, recall, class, area "all", maxDets 500]
+    assert at_500.stats[0] == -1 and ours[0] == pytest.approx(precision[precision > -1].mean(), abs=1e-6)
+    np.testing.assert_allclose(ours[1:], at_500.stats[1:], atol=1e-6, rtol=0)
+    assert saved["stats"] == result.metrics.stats and "AR500" in saved["stats"]
 
 
 def test_validate_and_predict_cli_match_eval(fit_run, synth_dir, tmp_path):
@@ -197,7 +218,7 @@ def test_fit_evaluates_every_n_steps_and_keeps_best(fit_run):
     evals = [r for r in records if "eval/mAP" in r]
     assert [r["step"] for r in evals] == [EVAL_EVERY, 2 * EVAL_EVERY]  # every 20 steps, and the last one
     for r in evals:
-        assert {"eval/mAP", "eval/mAP50", "eval/mAP75", "eval/mAP_small", "eval/AR1", "eval/AR100", "loss"} <= set(r)
+        assert {"eval/mAP", "eval/mAP50", "eval/mAP75", "eval/mAP_small", "eval/AR1", "eval/AR500", "loss"} <= set(r)
     assert evals[1]["eval/best_mAP"] == max(r["eval/mAP"] for r in evals)
     print("fit eval/mAP50:", [r["eval/mAP50"] for r in evals])
     # Steps 21-40 (right after the eval at step 20) and the eval at step 40: the only CompileTime samples are the

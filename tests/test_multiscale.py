@@ -10,7 +10,8 @@ import types
 
 import pytest
 
-from spmd_rfdetr.config import DataOptions, RunConfig, multi_scale_buckets, upstream_scales
+from spmd_rfdetr.config import DataOptions, RunConfig
+from spmd_rfdetr.resolve import multi_scale_buckets, upstream_scales
 from spmd_rfdetr.data import TrainBatches, batch_scale, blank_batch, build_split, first_uses, make_train_loader
 from spmd_rfdetr.metrics import xla_counters
 from spmd_rfdetr.model import upstream_configs

@@ -18,7 +18,8 @@ from torch import nn
 from conftest import parity_tolerance
 from jobs import JobInputs, job_fixture
 
-from spmd_rfdetr.config import ConfigError, MeshOptions, RunConfig, resolve_and_check
+from spmd_rfdetr.config import ConfigError, MeshOptions, RunConfig
+from spmd_rfdetr.resolve import resolve_and_check
 from spmd_rfdetr.mesh import build_mesh, fsdp_axis_size
 from spmd_rfdetr.parallelize import describe, fsdp_spec, parallelize, shard_count, sharding_specs
 

@@ -66,7 +66,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     import torch_xla
 
     from spmd_rfdetr.build import build_trainer
-    from spmd_rfdetr.config import resolve_and_check
+    from spmd_rfdetr.resolve import resolve_and_check
     from spmd_rfdetr.fabric import spmd_fabric
     from spmd_rfdetr.mesh import batch_shard_count, build_mesh
     from spmd_rfdetr.model import build_model, upstream_configs

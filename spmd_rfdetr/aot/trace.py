@@ -35,9 +35,8 @@ from spmd_rfdetr.config import (
     OptimOptions,
     RunConfig,
     TrainerOptions,
-    multi_scale_buckets,
-    resolve_and_check,
 )
+from spmd_rfdetr.resolve import multi_scale_buckets, resolve_and_check
 
 log = logging.getLogger(__name__)
 

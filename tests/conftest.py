@@ -72,6 +72,12 @@ FIT_STEPS, EVAL_EVERY, FIT_WARMUP = 40, 20, 5
 #: step modes, non-finite steps, 8 devices, the CLI's outputs and counters): the tiny model with one DINOv2 block and
 #: one decoder layer at 64 px (``ModelOptions.backbone_blocks``). Measured 2026-12-01 (a 4-step CLI fit, this 2-core
 #: machine, -O0): 45 s per process instead of 124 s, the first step (trace + compile) 16 s of compiling instead of 76 s.
+#: Not for gradient comparisons between two programs: at 64 px its encoder has 16 tokens, fewer than its 30 queries per
+#: group, so rfdetr's two-stage selection fills 14 queries per group with the learned reference boxes, zero at
+#: initialisation (``refpoint_embed``): zero-size boxes at (0, 0), where the box losses are not differentiable, so
+#: (the likely cause) each program picks its own subgradient. Measured 2026-12-02, accumulate=2 against the whole
+#: batch on XLA: losses equal to 1e-7, gradients equal except ``refpoint_embed``'s, 11-19% apart on 4 of its 5
+#: batches (eager CPU: equal to 6e-8).
 LOOP_MODEL = ModelOptions(resolution=64, num_queries=30, group_detr=2, dec_layers=1, backbone_blocks=1)
 #: The loop fit's steps: through warm-up into cosine, and three checkpoint intervals of 8 for the preempted run.
 LOOP_STEPS = 24

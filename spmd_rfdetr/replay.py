@@ -27,6 +27,8 @@ import contextlib
 import gc
 import logging
 import os
+import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -316,11 +318,13 @@ def donates_at_runtime() -> bool:
 @dataclass
 class Lowered:
     """A traced program as HLO: a serialized ``HloModuleProto`` (GSPMD shardings annotated as torch_xla's own compile
-    does), the parameter numbers of its donated inputs, and its instruction count."""
+    does), the parameter numbers of its donated inputs, its instruction count and its inputs' element types."""
 
     hlo: bytes
     donors: list[int]
     instructions: int
+    input_types: dict[str, int]
+    """How many inputs of each element type (``{"F32": 703, "S64": 6, "PRED": 2}``; TPUs have no ``F64``)."""
 
 
 def lower(outputs: list[torch.Tensor], donated: list[torch.Tensor] = (), name: str = "program") -> Lowered:
@@ -329,8 +333,16 @@ def lower(outputs: list[torch.Tensor], donated: list[torch.Tensor] = (), name: s
     ctx = _X.lowering.LoweringContext(name)
     ctx.build(list(outputs))
     donors = {ctx.tensor_parameter_id(value) for value in donated}
-    instructions = sum(1 for line in ctx.hlo_text().splitlines() if line.strip() == "instructions {")
-    return Lowered(ctx.hlo(), sorted(i for i in donors if i >= 0), instructions)
+    text = ctx.hlo_text()
+    instructions = sum(1 for line in text.splitlines() if line.strip() == "instructions {")
+    return Lowered(ctx.hlo(), sorted(i for i in donors if i >= 0), instructions, _input_types(text))
+
+
+def _input_types(proto_text: str) -> dict[str, int]:
+    """Element types of the entry's parameters, counted, from the module proto's text (its ``host_program_shape``)."""
+    start = proto_text.index("\nhost_program_shape {\n")
+    block = proto_text[start:proto_text.index("\n}\n", start)]
+    return dict(Counter(re.findall(r"^  parameters \{\n    element_type: (\w+)$", block, flags=re.M)))
 
 
 def _evicted(error: RuntimeError) -> bool:

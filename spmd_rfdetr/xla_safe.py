@@ -29,6 +29,13 @@
   Training only: the eval forward is compiled by dynamo, which cannot trace the manual-sharding region.
 - ``Transformer._two_stage_group_selection`` (top-k encoder proposals, ``[group, image, ...]``): its ``gather``
   calls take whole rows (the index is expanded along the last axis), as row lookups too.
+
+And two torch_xla lowerings that put float64 into the program (TPUs have no f64): a comparison of a tensor with a
+Python number (``x > 0.01`` in rfdetr's proposals, and ``torch.isfinite``, which PyTorch decomposes into
+``abs(x) != inf``) compares in float64, the tensor converted and the number an ``f64[]`` graph input, where eager
+PyTorch compares in the tensor's dtype; and ``addcmul_``'s ``value`` (AdamW's ``1 - beta2``) is an ``f64[]`` input
+converted to the tensor's dtype. Both take the number as a 0-d tensor of PyTorch's result dtype instead
+(:func:`_install_number_operands`).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,6 +76,7 @@ def install() -> None:
     _install_batch_major_windows(embeddings)
     _install_batch_first_attention()
     _install_row_lookups()
+    _install_number_operands()
 
 
 def _install_row_lookups() -> None:
@@ -89,6 +98,43 @@ def _install_row_lookups() -> None:
     selection = Transformer._two_stage_group_selection
     if not getattr(selection, "_spmd_rfdetr", False):
         Transformer._two_stage_group_selection = _with_row_gathers(selection, batch_dim=1)
+
+
+_COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+_number_operands: torch.library.Library | None = None
+
+
+def _install_number_operands() -> None:
+    """``aten::{eq,ne,lt,le,gt,ge}.Scalar`` and ``aten::addcmul_`` on XLA tensors with the Python number as a 0-d
+    tensor of PyTorch's result dtype (``torch.result_type``), as the ``.Tensor`` comparison and ``self.add_(t1 * t2 *
+    value)``: the arithmetic of torch_xla's kernels in the dtype eager PyTorch uses, and no float64 input. Registered
+    for the ``AutogradXLA`` key, where the tensors are the caller's own: a Python kernel at the ``XLA`` key would give
+    the inner tensors under functionalization Python objects of their own, which replay's trace check counts as stray
+    pending tensors."""
+    global _number_operands
+    if _number_operands is not None:
+        return
+    library = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # "Overriding a previously registered kernel": PyTorch's autograd kernel
+        warnings.simplefilter("ignore", UserWarning)
+        for name in _COMPARISONS:
+            compare = functools.partial(_compare, getattr(torch.ops.aten, name).Tensor)
+            library.impl(f"{name}.Scalar", compare, "AutogradXLA")
+        library.impl("addcmul_", _addcmul_, "AutogradXLA")
+    _number_operands = library
+
+
+def _as_tensor(number: Any, like: torch.Tensor) -> torch.Tensor:
+    return torch.full((), number, dtype=torch.result_type(like, number), device=like.device)
+
+
+def _compare(tensor_op: Any, tensor: torch.Tensor, number: Any) -> torch.Tensor:
+    return tensor_op(tensor, _as_tensor(number, tensor))
+
+
+def _addcmul_(self: torch.Tensor, tensor1: torch.Tensor, tensor2: torch.Tensor, *, value: Any = 1) -> torch.Tensor:
+    product = tensor1 * tensor2
+    return self.add_(product if value == 1 else product * _as_tensor(value, self))
 
 
 def bilinear_sample_rows(input: torch.Tensor, grid: torch.Tensor, padding_mode: str = "zeros",

@@ -100,6 +100,13 @@ def test_every_program_compiles_for_v5e_and_donates_the_training_state(verb: dic
     assert 0 < memory["peak"] < train["hbm_bytes"] and train["hbm_free_fraction"] > 0.9
 
 
+def test_no_program_has_a_float64_input(verb: dict) -> None:
+    """TPUs have no f64: every input of the programs is f32 or integer (xla_safe takes Python numbers in the
+    tensor's dtype where torch_xla would pass them as f64 inputs: rfdetr's proposal bounds, AdamW's ``1 - beta2``)."""
+    for name, program in verb.items():
+        assert "F64" not in program["input_types"] and program["input_types"]["F32"] > 100, (name, program)
+
+
 def test_no_collective_runs_inside_a_loop_and_the_body_only_reduces(verb: dict) -> None:
     """Data parallelism needs only reductions: the gradients' all-reduce (XLA combines it into a few ops by size) and
     the losses' and counts' sums; the matcher's loops run on each chip's own images. Nothing is gathered, permuted

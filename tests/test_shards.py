@@ -143,3 +143,21 @@ def test_windowed_class_tokens_repeat_batch_major_with_upstream_values() -> None
     x = copy.deepcopy(embeddings).to(torch_xla.device())(sharded(pixels, build_mesh()))
     assert "aten::repeat" not in torch_xla._XLAC._get_xla_tensors_text([x])
     assert torch.allclose(x.detach().cpu(), reference.detach(), atol=1e-6)
+
+
+def test_a_python_number_operand_is_taken_in_the_tensors_dtype_as_eager_pytorch() -> None:
+    """torch_xla 2.9 compares a float32 tensor with a Python number in float64 (the number an f64 graph input, which
+    TPUs lack): at x = float32(0.01), ``x >= 0.01`` is False there and True in eager PyTorch, which compares in the
+    tensor's dtype. With ``xla_safe``'s kernels every comparison, ``isfinite`` and ``addcmul_``'s value (AdamW's
+    ``1 - beta2``) give eager CPU's results with no f64 input in the program."""
+    from spmd_rfdetr.replay import lower
+
+    xla_safe._install_number_operands()  # (building any model installs it; idempotent)
+    host = torch.tensor([0.01, 0.0099, 0.0101, -1.0, float("inf"), float("nan")])
+    x = host.to(torch_xla.device())
+    ops = [lambda t: t >= 0.01, lambda t: t > 0.01, lambda t: t <= 0.01, lambda t: t < 0.01, lambda t: t == 0.01,
+           lambda t: t != 0.01, torch.isfinite, lambda t: torch.ones_like(t).addcmul_(t, t, value=0.001)]
+    results = [op(x) for op in ops]
+    assert lower(results).input_types.get("F64", 0) == 0, lower(results).input_types
+    for op, got in zip(ops, results):
+        torch.testing.assert_close(got.cpu(), op(host), rtol=0, atol=0, equal_nan=True)

@@ -125,7 +125,7 @@ def _write(out: Path, name: str, kind: str, lowered: Any, global_batch: int, dev
     (out / file).write_bytes(lowered.hlo)
     return {"name": name, "kind": kind, "file": file, "donors": lowered.donors, "global_batch": global_batch,
             "images_per_device": global_batch // devices, "resolution": resolution,
-            "traced_instructions": lowered.instructions, **common}
+            "traced_instructions": lowered.instructions, "input_types": lowered.input_types, **common}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -158,6 +158,7 @@ def test_a_python_number_operand_is_taken_in_the_tensors_dtype_as_eager_pytorch(
     ops = [lambda t: t >= 0.01, lambda t: t > 0.01, lambda t: t <= 0.01, lambda t: t < 0.01, lambda t: t == 0.01,
            lambda t: t != 0.01, torch.isfinite, lambda t: torch.ones_like(t).addcmul_(t, t, value=0.001)]
     results = [op(x) for op in ops]
-    assert lower(results).input_types.get("F64", 0) == 0, lower(results).input_types
+    types = lower(results).input_types
+    assert types.get("F64", 0) == 0, types
     for op, got in zip(ops, results):
         torch.testing.assert_close(got.cpu(), op(host), rtol=0, atol=0, equal_nan=True)

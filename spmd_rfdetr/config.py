@@ -64,8 +64,10 @@ class DataOptions:
     on_overflow: Literal["error", "truncate"] = "error"
     """An image with more than ``max_targets`` boxes: ``error`` stops before training and names the files;
     ``truncate`` keeps the largest ``max_targets`` boxes and logs how many images and boxes were cut."""
-    num_workers: int = 2
-    """DataLoader worker processes."""
+    num_workers: int | Literal["auto"] = 2
+    """DataLoader worker processes; each decodes and augments whole images (measured 69-155 images/s per worker at
+    384 px from 1280x960-640x480 JPEGs: ``benchmarks/run.py --loader``). ``auto``: the CPUs this process may run on
+    (``os.sched_getaffinity``) less one for the main process."""
     prefetch: int = 2
     """Batches loaded and sent to the device ahead of the step in a background thread (0: load synchronously). With
     ``num_workers: 0`` that thread also runs rfdetr's random augmentations on torch's global host RNG, shared with
@@ -86,6 +88,12 @@ class DataOptions:
     outside the image. ``error``: stop, listing every problem; ``skip``: train without those images (rfdetr already
     drops such boxes or clips them to the image), naming each and counting them in the log. Schema errors, unknown
     categories, labels >= ``num_classes``, problems in the eval split and an empty split are always errors."""
+    check: Literal["full", "annotations", "off"] = "full"
+    """How much the data check reads: ``full``: the annotations and every image's header (finds missing, empty and
+    truncated images); ``annotations``: the annotations only, no image opened (boxes are checked against the sizes
+    the annotations declare); ``off``: no check at all (a warning says so). The result is cached by the annotation
+    files' contents and these settings (``$XDG_CACHE_HOME/spmd_rfdetr/data_check``): a second run on an unchanged
+    dataset, such as a resume, opens no image. On several hosts host 0 checks and the others receive its result."""
 
 
 @dataclass

@@ -56,6 +56,7 @@ class Entry:
     source: Path  # the annotation or label file its boxes come from
     boxes: list[Box] = field(default_factory=list)
     normalised: bool = False
+    declared: tuple[int, int] | None = None  # (width, height) as the annotations declare it (COCO), if they do
 
 
 @dataclass
@@ -93,6 +94,25 @@ def read_split(root: Path, layout: str, split: str, train_labels: dict[int, int]
         return _read_coco(root / "annotations" / ann_file, root / folder, split, labels=None)
     return _read_coco(root / split / "_annotations.coco.json", root / split, split,
                       labels=train_labels if split != "train" else None, remap=True)
+
+
+def split_inputs(root: Path, layout: str, split: str) -> tuple[list[Path], list[Path], list[Path]]:
+    """What :func:`read_split` reads of ``split`` besides image contents: ``(annotation files, folders of label files,
+    image folders)``; YOLO's label files are those of the label folder, one per image."""
+    if layout == "yolo":
+        from rfdetr.datasets.yolo import _resolve_yolo_split_dirs, find_yolo_data_file
+
+        data_file = find_yolo_data_file(root, default=root / "data.yaml")
+        assert data_file is not None
+        try:
+            img_dir, lb_dir = _resolve_yolo_split_dirs(root, data_file, UPSTREAM_SPLITS[split])
+        except (OSError, ValueError):
+            return [data_file], [], []
+        return [data_file], [Path(lb_dir)], [Path(img_dir)]
+    if layout == "coco2017":
+        folder, ann_file = COCO2017[split]
+        return [root / "annotations" / ann_file], [], [root / folder]
+    return [root / split / "_annotations.coco.json"], [], [root / split]
 
 
 def coco_label_map(data: dict[str, Any]) -> dict[int, int]:
@@ -192,9 +212,15 @@ def _read_coco(ann_file: Path, img_dir: Path, split: str, labels: dict[int, int]
             continue
         x, y, w, h = (float(v) for v in ann["bbox"])
         by_image[ann["image_id"]].append(Box(where, category, label, (x, y, x + w, y + h), crowd))
-    out.entries = [Entry(image["file_name"], img_dir / image["file_name"], ann_file, by_image[image["id"]])
-                   for image in data["images"]]
+    out.entries = [Entry(image["file_name"], img_dir / image["file_name"], ann_file, by_image[image["id"]],
+                         declared=_declared_size(image)) for image in data["images"]]
     return out
+
+
+def _declared_size(image: dict[str, Any]) -> tuple[int, int] | None:
+    """A COCO image entry's ``(width, height)`` when it states both as positive integers."""
+    width, height = image.get("width"), image.get("height")
+    return (width, height) if _is_int(width) and _is_int(height) and width > 0 and height > 0 else None
 
 
 def _read_yolo(root: Path, split: str) -> SplitData:

@@ -11,6 +11,8 @@ The group is joined with torch_xla's ``xla://`` rendezvous: ranks are the runtim
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -40,8 +42,29 @@ def is_coordinator() -> bool:
 
 
 def this_host() -> tuple[int, int]:
-    """``(process_index(), process_count())``."""
+    """``(process_index(), process_count())``: this host among those that agree over gloo."""
     return process_index(), process_count()
+
+
+def batch_share() -> tuple[int, int]:
+    """``(index, count)``: this process loads slice ``index`` of ``count`` of every global batch (:func:`host_rows`).
+
+    The XLA runtime's processes, not the gloo group's: the global array is assembled from every runtime process's
+    slice (``ShardingSpec(minibatch=True)`` scales dim 0 by global/addressable devices). On a pod slice the two are
+    the same; a process whose runtime drives the whole mesh (one host, or each XLA CPU process of a test) loads every
+    row even when it has joined a group with others.
+    """
+    import torch_xla.runtime as xr
+
+    return xr.process_index(), xr.process_count()
+
+
+def gather_rows(rows: torch.Tensor, share: tuple[int, int] | None = None) -> torch.Tensor:
+    """Every process's rows of a global batch (CPU tensors of one shape) in process order: the rows of the global
+    array torch_xla assembles from the processes' slices (``share``, default :func:`batch_share`; one: ``rows``)."""
+    if (share or batch_share())[1] == 1:
+        return rows
+    return funcol.wait_tensor(funcol.all_gather_tensor(rows.contiguous(), 0, dist.group.WORLD))
 
 
 def join_hosts() -> None:
@@ -51,6 +74,13 @@ def join_hosts() -> None:
     import torch_xla.distributed.xla_backend  # noqa: F401  registers the xla:// rendezvous
 
     dist.init_process_group("gloo", init_method="xla://")
+
+
+def leave_hosts() -> None:
+    """Leave the gloo group at the end of a run (without it, gloo sometimes aborts the process at exit)."""
+    if dist.is_initialized():
+        barrier()
+        dist.destroy_process_group()
 
 
 def _reduce(values: list[int], op: str) -> list[int]:
@@ -87,3 +117,29 @@ def host_rows(batch: list, index: int, count: int) -> list:
         raise ValueError(f"a global batch of {len(batch)} does not split over {count} hosts")
     rows = len(batch) // count
     return batch[index * rows:(index + 1) * rows]
+
+
+def from_coordinator(make: Callable[[], bytes]) -> bytes:
+    """``make()`` run on host 0 only, its bytes sent to every host over the gloo group (one host: just ``make()``).
+
+    For work every host needs the result of but one host suffices to do (the data check). Should ``make`` raise on
+    host 0, the others raise ``RuntimeError`` instead of waiting for bytes that never come.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return make()
+    payload, failed = b"", None
+    if dist.get_rank() == 0:
+        try:
+            payload = make()
+        except BaseException as error:  # tell the others (length -1), then raise here
+            failed = error
+    size = torch.tensor([-1 if failed else len(payload)], dtype=torch.int64)
+    size = int(funcol.wait_tensor(funcol.broadcast(size, 0, dist.group.WORLD))[0])
+    if failed is not None:
+        raise failed
+    if size < 0:
+        raise RuntimeError("host 0 failed at what it does for every host (see its log)")
+    if size == 0:
+        return b""
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(size, dtype=torch.uint8)
+    return funcol.wait_tensor(funcol.broadcast(data, 0, dist.group.WORLD)).numpy().tobytes()

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +28,17 @@ from spmd_rfdetr.synth import synth
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILED = "Compilation Analysis"  # what PT_XLA_DEBUG_LEVEL=1 prints for each graph XLA compiles
+
+
+@pytest.fixture(autouse=True)
+def data_check_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test (and the CLI it starts) caches data check results in a folder of its own."""
+    import matplotlib  # rfdetr's import; it keeps its font list under XDG_CACHE_HOME too: keep it where it is
+
+    monkeypatch.setenv("MPLCONFIGDIR", matplotlib.get_cachedir())
+    cache = tmp_path_factory.mktemp("xdg_cache")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    return cache / "spmd_rfdetr" / "data_check"
 
 
 def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
@@ -273,3 +286,135 @@ def test_validate_checks_the_eval_split_before_compiling(bad_dataset: Path, tiny
     assert "[valid] valid/_annotations.coco.json: not readable as JSON" in result.stderr
     assert "[train]" not in result.stderr  # validate reads the eval split only (train's mapping read fine)
     assert "Traceback" not in result.stderr and COMPILED not in result.stdout + result.stderr
+
+
+def without_timing(error: pytest.ExceptionInfo[DataError]) -> str:
+    """A :class:`DataError`'s message less its last ``(...)``: how long the check took, or that it was cached."""
+    return str(error.value).rsplit(" (", 1)[0]
+
+
+def test_a_cached_check_gives_the_same_report_without_opening_an_image(tmp_path: Path, data_check_cache: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    root = skippable_dataset(tmp_path / "data")
+    cfg, erroring = tiny_cfg(root, on_bad="skip"), tiny_cfg(root)
+    first = check_data(cfg)
+    with pytest.raises(DataError) as first_error:
+        check_data(erroring)
+    assert first.skipped and ", 24 images, " in first.took and first.took.endswith(" threads")
+    (root / "train" / "train_000001.jpg").write_bytes(b"broken now")  # a check that opened it would report it
+    with caplog.at_level(logging.INFO, logger="spmd_rfdetr.checks"):
+        again = check_data(cfg)
+        with pytest.raises(DataError) as again_error:
+            check_data(erroring)
+    assert again == first and again.took.startswith("cached, ") and again.summaries == first.summaries
+    assert again.skipped_images("train") == {"train_000000.jpg"}  # what usable() leaves out: the same image
+    assert without_timing(again_error) == without_timing(first_error) and "(cached, " in str(again_error.value)
+    cached = sorted(data_check_cache.glob("*.json"))
+    assert len(cached) == 2 and all(f"result cached in {c} " in caplog.text for c in cached)
+    assert "delete that file to check again" in caplog.text
+    both = {"train_000000.jpg", "train_000001.jpg"}  # checked again: the broken image is found
+    other = tiny_cfg(root, on_bad="skip")
+    other.data.max_targets = 9  # another setting
+    assert check_data(other).skipped_images("train") == both
+    ann_file = root / "train" / "_annotations.coco.json"
+    stat, text = ann_file.stat(), ann_file.read_text()
+    ann_file.write_text(text.replace('"version": "1"', '"version": "2"'))  # other bytes; size and mtime kept
+    os.utime(ann_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert ann_file.stat().st_size == stat.st_size and ann_file.read_text() != text
+    assert check_data(cfg).skipped_images("train") == both
+
+
+def test_check_annotations_reads_no_image(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``data.check=annotations`` finds annotation problems (boxes against the declared sizes) but not a truncated
+    image, which ``full`` finds."""
+    root = tmp_path / "data"
+    ann_file, coco = small_dataset(root)
+    jpeg = (root / "train" / "train_000001.jpg").read_bytes()
+    (root / "train" / "train_000001.jpg").write_bytes(jpeg[: len(jpeg) // 2])
+    first_annotation(coco, 4)["bbox"][2] = 0
+    first_annotation(coco, 5)["bbox"] = [50, 50, 30, 30]  # past the declared 64 px
+    ann_file.write_text(json.dumps(coco))
+    with pytest.raises(DataError) as error:
+        check_data(tiny_cfg(root, check="annotations"))
+    message = str(error.value)
+    assert "2 problem(s)" in message and "box [50, 50, 80, 80] (x1 y1 x2 y2) on train_000005.jpg (64x64)" in message
+    assert "box of zero or negative size (1)" in message and "train_000001.jpg" not in message
+    assert "images not opened (data.check=annotations)" in message and "no image opened" in message
+    with pytest.raises(DataError, match="3 problem") as error:
+        check_data(tiny_cfg(root))
+    assert "train/train_000001.jpg: not a readable image (image file is truncated" in str(error.value)
+
+
+def test_check_off_checks_nothing(tmp_path: Path, data_check_cache: Path, caplog: pytest.LogCaptureFixture) -> None:
+    missing = tiny_cfg(tmp_path / "no-data", check="off")
+    with caplog.at_level(logging.WARNING, logger="spmd_rfdetr.checks"):
+        report = check_data(missing)
+    assert report.findings == [] and report.summaries == [] and "data.check=off: " in caplog.text
+    assert not data_check_cache.exists()
+    with pytest.raises(DataError, match="data.dataset_dir is not a directory"):
+        check_data(tiny_cfg(tmp_path / "no-data"))
+
+
+#: One of two hosts of a real gloo group: the same data checks on both; each reports what it got and how many images
+#: it opened. Then ``from_coordinator`` when host 0's work raises.
+CHECK_HOST = r"""
+import json, os, sys
+import torch.distributed as dist
+rank, port, root = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+from spmd_rfdetr import checks, hosts
+from spmd_rfdetr.config import DataOptions, EvalOptions, ModelOptions, RunConfig
+opened = []
+inspect = checks.inspect_image
+checks.inspect_image = lambda path: opened.append(str(path)) or inspect(path)
+def cfg(on_bad):
+    return RunConfig(model=ModelOptions(resolution=128, num_queries=30), eval=EvalOptions(every_steps=10),
+                     data=DataOptions(dataset_dir=root, global_batch_size=8, max_targets=8, on_bad=on_bad))
+out = {}
+report = checks.check_data(cfg("skip"))
+out["report"], out["took"] = json.loads(report.to_json()), report.took
+out["skipped"] = sorted(report.skipped_images("train"))
+try:
+    checks.check_data(cfg("error"))
+except checks.DataError as error:
+    out["error"] = str(error).rsplit(" (", 1)[0]
+out["opened"] = len(opened)
+try:
+    hosts.from_coordinator(lambda: 1 // 0)
+except Exception as error:
+    out["failed"] = f"{type(error).__name__}: {error}"
+out["report"].pop("took")
+hosts.barrier()
+print("RESULT", json.dumps(out), flush=True)
+os._exit(0)  # gloo's teardown at exit aborts now and then after any collective ("terminate called ...", 4 in 40)
+"""
+
+
+def test_host_0_checks_and_the_other_host_gets_its_report(tmp_path: Path) -> None:
+    """Two processes in a real gloo group: host 0 opens the images (and caches), host 1 opens none and caches nothing,
+    and both return the same report or raise the same :class:`DataError`."""
+    root = skippable_dataset(tmp_path / "data")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+        env["XDG_CACHE_HOME"] = str(tmp_path / f"cache{rank}")  # hosts may not share a disk
+        procs.append(subprocess.Popen([sys.executable, "-c", CHECK_HOST, str(rank), str(port), str(root)], cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        results.append(json.loads(stdout.split("RESULT", 1)[1]))
+    host0, host1 = results
+    assert host0["opened"] == 2 * 24 and host1["opened"] == 0  # 16 train + 8 valid images, for each of two settings
+    assert host0["report"] == host1["report"] and host0["report"]["findings"]
+    assert host0["skipped"] == host1["skipped"] == ["train_000000.jpg"]
+    assert host0["error"] == host1["error"] and "train/train_000000.jpg: empty file (0 bytes)" in host0["error"]
+    assert "threads" in host0["took"] and host1["took"].startswith("host 0's check: ")
+    assert len(list((tmp_path / "cache0" / "spmd_rfdetr").rglob("*.json"))) == 2
+    assert not (tmp_path / "cache1" / "spmd_rfdetr").exists()
+    assert host0["failed"].startswith("ZeroDivisionError: ")  # host 0's own error; the other host is told
+    assert host1["failed"].startswith("RuntimeError: host 0 failed")

@@ -36,7 +36,7 @@ def upstream_eager_stats(checkpoint: Path, split: str) -> list[float]:
     from rfdetr.evaluation.coco_eval import CocoEvaluator
 
     from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions
-    from spmd_rfdetr.data import build_split
+    from spmd_rfdetr.data import upstream_split
     from spmd_rfdetr.model import build_model, build_upstream_criterion, upstream_configs
     from spmd_rfdetr.step import as_samples
 
@@ -44,7 +44,7 @@ def upstream_eager_stats(checkpoint: Path, split: str) -> list[float]:
     c = state["config"]
     cfgs = upstream_configs(ModelOptions(**c["model"]), DataOptions(**c["data"]), OptimOptions(**c["optim"]),
                             c["model"]["num_classes"])
-    dataset = build_split(cfgs, split)
+    dataset = upstream_split(cfgs, split)  # rfdetr's own dataset and float pipeline
     net = build_model(cfgs)
     net.load_state_dict(state["model"])
     net.eval()

@@ -6,6 +6,7 @@
     python benchmarks/run.py --config configs/v5e.yaml --matcher                     # assignment micro-benchmark
     python benchmarks/run.py --config configs/cpu.yaml --compare upstream --step-mode replay,trace  # ours per mode
     python benchmarks/run.py --config configs/cpu.yaml --loader --loader-workers 0,1,2  # input pipeline, no XLA
+    python benchmarks/run.py --config configs/v5e.yaml --loader --loader-jpegs 640x480,1280x960 --batch 16
 
 Each side runs in its own subprocess (SPMD is process-global in torch_xla): the parent re-invokes this script with
 ``--_child ours|upstream|matcher``, collects its JSON, prints a markdown table and writes a JSON file and a PNG plot
@@ -39,8 +40,8 @@ one. On a TPU VM every visible chip is used by ours and one device by upstream; 
 the visible chips before starting (e.g. ``TPU_VISIBLE_CHIPS=0,1 TPU_CHIPS_PER_PROCESS_BOUNDS=1,2,1
 TPU_PROCESS_BOUNDS=1,1,1``) and pass the same ``--devices`` (a mismatch with what the runtime sees is an error).
 
-``--loader`` measures rfdetr's training dataset + transforms alone (images/s per DataLoader worker count), in this
-process, without an XLA runtime.
+``--loader`` measures rfdetr's training dataset + transforms alone (images/s per DataLoader worker count and bytes
+per batch, for the uint8 pipeline ``fit`` reads and rfdetr's float one), in this process, without an XLA runtime.
 
 The pieces live in ``benchmarks/bench/`` (see its ``__init__``); this file is the command line.
 """
@@ -109,6 +110,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--loader-workers", default="0,1,2", help="DataLoader worker counts in --loader (default 0,1,2)")
     p.add_argument("--loader-batches", type=int, default=20,
                    help="timed batches per worker count in --loader, after one warm-up batch per worker (default 20)")
+    p.add_argument("--loader-pipeline", default="float,uint8",
+                   help="--loader pipelines, comma-separated (default float,uint8): uint8 = fit's (build_split: uint8 "
+                   "pixels, normalised on the device); float = rfdetr's as it ships (ToDtype + Normalize on the host)")
+    p.add_argument("--loader-repeats", type=int, default=1,
+                   help="--loader runs per row, the pipelines taking turns; the row keeps the fastest (default 1)")
+    p.add_argument("--loader-jpegs", metavar="WxH[,WxH...]",
+                   help="--loader reads photo-like JPEGs of these sizes (written to a temporary folder) instead of "
+                   "data.dataset_dir, e.g. 640x480,1280x960")
     p.add_argument("--dataset-dir", help="overrides data.dataset_dir (--loader reads it)")
     p.add_argument("--fast-compile", action="store_true", help="XLA CPU only: compile without LLVM optimisation "
                    f"(XLA_FLAGS+='{children.FAST_COMPILE_FLAGS}'); for smoke tests, slows execution")

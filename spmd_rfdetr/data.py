@@ -1,8 +1,12 @@
 """Static-shape batches from rfdetr's own dataset readers and transforms.
 
 Every batch is one dict with fixed shapes, so the training step compiles once:
-``images`` [B, 3, R, R] float, ``boxes`` [B, T, 4] (normalised cxcywh), ``labels`` [B, T] int64, ``valid`` [B, T] bool,
+``images`` [B, 3, R, R] uint8, ``boxes`` [B, T, 4] (normalised cxcywh), ``labels`` [B, T] int64, ``valid`` [B, T] bool,
 ``image_id`` [B] int64, ``orig_size`` [B, 2] int64 (h, w), with T = ``data.max_targets``.
+
+Pixels travel as uint8, a quarter of the bytes of rfdetr's float32 input: rfdetr's transforms run on the host except
+their last two steps (``ToDtype(float32, scale=True)`` and the image half of ``Normalize``), which
+:func:`normalize_images` runs on the device inside every compiled program that feeds the model.
 
 Overflow policy (never silent): before training, the annotation files are scanned for images with more than
 ``max_targets`` boxes. ``on_overflow="error"`` stops and names them; ``"truncate"`` logs how many images and boxes are
@@ -12,6 +16,7 @@ affected (naming the first files) and keeps each such image's ``max_targets`` la
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,7 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 from rfdetr.datasets import build_dataset, get_coco_api_from_dataset
-from torch.utils.data import DataLoader, Dataset, Sampler
+from rfdetr.datasets.transforms import Normalize
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torchvision.transforms.v2 import ToDtype
 
 from spmd_rfdetr.config import DataOptions
 from spmd_rfdetr.hosts import host_rows
@@ -47,11 +54,95 @@ def class_names(dataset: Dataset[Any], num_classes: int) -> list[str]:
     return [coco.cats.get(int(label2cat.get(label, -1)), {}).get("name", "") for label in range(num_classes)]
 
 
-def build_split(cfgs: UpstreamConfigs, split: str) -> Dataset[Any]:
-    """rfdetr's dataset for ``split`` (``train``/``valid``/``test``) with its transforms at the fixed resolution."""
+def upstream_split(cfgs: UpstreamConfigs, split: str) -> Dataset[Any]:
+    """rfdetr's dataset for ``split`` (``train``/``valid``/``test``) exactly as rfdetr builds it, float32 images
+    normalised on the host: what comparisons with upstream read. Training and evaluation read :func:`build_split`."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {sorted(SPLITS)}")
     return build_dataset(SPLITS[split], cfgs.namespace(), cfgs.model.resolution)
+
+
+def build_split(cfgs: UpstreamConfigs, split: str) -> Dataset[Any]:
+    """rfdetr's dataset for ``split`` with its transforms at the fixed resolution, images as uint8 [3, R, R]
+    (:func:`uint8_pixels`; the boxes are rfdetr's, normalised cxcywh)."""
+    dataset = upstream_split(cfgs, split)
+    reader = dataset
+    while isinstance(reader, Subset):
+        reader = reader.dataset
+    if getattr(reader, "_transforms", None) is None:
+        raise TypeError(f"rfdetr built a {type(reader).__name__} without a transform pipeline to read as uint8")
+    reader._transforms = uint8_pixels(reader._transforms)
+    return dataset
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pixels: uint8 on the host, normalised on the device
+# ---------------------------------------------------------------------------------------------------------------------
+
+#: rfdetr's image normalisation, from its own ``Normalize`` (ImageNet mean and std of its defaults).
+PIXEL_MEAN: tuple[float, ...] = tuple(Normalize()._normalize.mean)
+PIXEL_STD: tuple[float, ...] = tuple(Normalize()._normalize.std)
+
+
+def _unchanged(image: torch.Tensor) -> torch.Tensor:
+    return image
+
+
+class BoxesOnlyNormalize(Normalize):
+    """rfdetr's ``Normalize`` with the image left as it is (uint8): its own code still turns the boxes into
+    normalised cxcywh; the pixels are normalised on the device (:func:`normalize_images`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._normalize = _unchanged  # the one image step of rfdetr's __call__; everything else in it is kept
+
+
+def uint8_pixels(transforms: Any) -> Any:
+    """rfdetr's transform ``Compose`` with its last two steps, ``ToDtype(float32, scale=True)`` and ``Normalize``
+    (rfdetr's default mean/std), replaced by :class:`BoxesOnlyNormalize`: samples come out as uint8 ``[3, H, W]``
+    (``ToImage``'s output) with rfdetr's boxes. Anything else is an error, not a silent float batch."""
+    steps = list(transforms.transforms)
+    to_float, normalize = (steps[-2:] if len(steps) >= 2 else (None, None))
+    if not (isinstance(to_float, ToDtype) and to_float.dtype == torch.float32 and to_float.scale
+            and type(normalize) is Normalize
+            and (tuple(normalize._normalize.mean), tuple(normalize._normalize.std)) == (PIXEL_MEAN, PIXEL_STD)):
+        raise ValueError(f"rfdetr's transforms end with {[type(t).__name__ for t in steps[-2:]]}, not ToDtype(float32, "
+                         "scale=True) + Normalize with its default mean/std: cannot hand their pixels over as uint8")
+    return type(transforms)([*steps[:-2], BoxesOnlyNormalize()])
+
+
+def normalize_images(images: torch.Tensor) -> torch.Tensor:
+    """rfdetr's ``ToDtype(float32, scale=True)`` + ``Normalize`` on the device, in float32 and in its order
+    (``x * (1/255)``, then ``(x - mean) / std``): pixels ``[B, 3, H, W]``, uint8 (or float32 values 0..255: a resized
+    multi-scale batch, :class:`StaticCollate`) -> the model's float32 input. Called inside every compiled program that
+    feeds the model (training step, eval forward, predict)."""
+    if images.dtype not in (torch.uint8, torch.float32):
+        raise TypeError(f"images are {images.dtype}: batches carry uint8 pixels (spmd_rfdetr.data.build_split), "
+                        "which this normalises")
+
+    def const(values: Any) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=images.device)
+
+    mean, std = const(PIXEL_MEAN).view(1, -1, 1, 1), const(PIXEL_STD).view(1, -1, 1, 1)
+    return (images.to(torch.float32) * const(1 / 255) - mean) / std
+
+
+def upstream_float(images: torch.Tensor) -> torch.Tensor:
+    """rfdetr's own host steps on uint8 pixels ``[B, 3, H, W]`` (its ``ToDtype(float32, scale=True)``, then its
+    ``Normalize``, image by image): the float input upstream's model gets for these pixels."""
+    if images.dtype != torch.uint8:
+        raise TypeError(f"upstream's ToDtype(float32, scale=True) scales uint8 pixels only, got {images.dtype}")
+    to_float, normalize = ToDtype(torch.float32, scale=True), Normalize()
+    return torch.stack([normalize(to_float(image), None)[0] for image in images])
+
+
+def worker_count(num_workers: int | str) -> int:
+    """``data.num_workers`` as a number: ``auto`` is the CPUs this process may run on, less one for the main
+    process (``os.sched_getaffinity``; ``os.cpu_count`` where there is none)."""
+    if num_workers != "auto":
+        return int(num_workers)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(cpus - 1, 0)
 
 
 @dataclass
@@ -120,7 +211,9 @@ class StaticCollate:
 
     Samples of a multi-scale batch carry the batch's size (``(image, target, size)``): the stacked images are then
     resized to it as rfdetr's per-batch multi-scale does (bilinear, on the collated batch; boxes are normalised, so
-    they stay)."""
+    they stay). The resize runs in float32 on the pixel values, so such a batch carries float32 pixels (0..255, not
+    normalised): rounding it back to uint8 moved the first losses by up to 2e-3 from upstream's resize of its float
+    input (measured on the tiny models), where float32 agrees to rounding."""
 
     def __init__(self, max_targets: int, resolution: int) -> None:
         self.max_targets = max_targets
@@ -130,7 +223,7 @@ class StaticCollate:
         size = samples[0][2] if len(samples[0]) == 3 else None
         batch = self._collate([sample[:2] for sample in samples])
         if size is not None and size != self.resolution:
-            batch["images"] = torch.nn.functional.interpolate(batch["images"], size=size, mode="bilinear",
+            batch["images"] = torch.nn.functional.interpolate(batch["images"].float(), size=size, mode="bilinear",
                                                               align_corners=False)
         return batch
 
@@ -154,12 +247,15 @@ class StaticCollate:
         }
 
 
-def blank_batch(rows: int, size: int, max_targets: int) -> dict[str, torch.Tensor]:
+def blank_batch(rows: int, size: int, max_targets: int, read_at: int | None = None) -> dict[str, torch.Tensor]:
     """A host batch of zeros shaped as the train loader's batches of ``rows`` images at ``size`` (collated by
-    :class:`StaticCollate` itself, so keys, shapes and dtypes match): compiling a bucket's program needs only that."""
+    :class:`StaticCollate` itself, so keys, shapes and dtypes match): compiling a bucket's program needs only that.
+    ``read_at``: the size a multi-scale train split reads images at (a bucket of another size is resized: float32)."""
+    read_at = size if read_at is None else read_at
     target = {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64),
-              "image_id": torch.zeros((), dtype=torch.int64), "orig_size": torch.tensor([size, size])}
-    return StaticCollate(max_targets, size)([(torch.zeros(3, size, size), target)] * rows)
+              "image_id": torch.zeros((), dtype=torch.int64), "orig_size": torch.tensor([read_at, read_at])}
+    image = torch.zeros(3, read_at, read_at, dtype=torch.uint8)
+    return StaticCollate(max_targets, read_at)([(image, target, size)] * rows)
 
 
 class TrainBatches(Sampler[list[tuple[int, int]]]):
@@ -261,7 +357,7 @@ def make_train_loader(
             f"data.global_batch_size={data.global_batch_size}"
         )
     batches = TrainBatches(len(dataset), data.global_batch_size, seed, start_step, host, scales)  # type: ignore[arg-type]
-    return DataLoader(SeededSamples(dataset, seed), batch_sampler=batches, num_workers=data.num_workers,
+    return DataLoader(SeededSamples(dataset, seed), batch_sampler=batches, num_workers=worker_count(data.num_workers),
                       collate_fn=StaticCollate(data.max_targets, resolution))
 
 

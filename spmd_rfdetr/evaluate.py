@@ -4,8 +4,8 @@ The device part is ONE program per batch shape, compiled with ``torch.compile(ba
 inference under SPMD; training keeps ``torch_xla.compile``): rfdetr's model forward in eval mode, then rfdetr's own
 ``PostProcess`` box logic (sigmoid, top-k over queries x classes with its stable tie rule, cxcywh -> absolute xyxy at
 the ORIGINAL image size, clamped), packed into one ``[B, K, 6]`` tensor ``(score, label, x0, y0, x1, y1)``. The batch
-is sharded on the ``data`` axis; the last partial batch is padded to the full global batch with blank images that are
-marked ``real=False`` on the host and never reach the metrics. Results leave the device once per batch (one transfer
+is sharded on the ``data`` axis; the last partial batch is padded to the full global batch with blank images whose image id is
+-1, dropped on the host before the metrics. Results leave the device once per batch (one transfer
 of that tensor, fetched while the next batch runs). Scoring is :mod:`spmd_rfdetr.coco`'s.
 
 Under SPMD there is one process and the predictions are global tensors: no pickled ``all_gather``, no device probing.
@@ -25,7 +25,7 @@ from typing import Any, ContextManager
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from spmd_rfdetr import hosts
 from spmd_rfdetr.coco import MAX_DETS, CocoMetrics, coco_metrics, detections_to_coco, label2cat_of
@@ -106,10 +106,12 @@ class EvalForward:
         self._compiled = torch.compile(self._forward, backend="openxla", fullgraph=True, dynamic=False)
 
     def _forward(self, images: torch.Tensor, orig_size: torch.Tensor) -> torch.Tensor:
+        from spmd_rfdetr.data import normalize_images
         from spmd_rfdetr.step import as_samples
 
+        samples = as_samples(normalize_images(images))  # uint8 pixels -> rfdetr's normalised float32 input
         with self.autocast():
-            outputs = self.model(as_samples(images))
+            outputs = self.model(samples)
         logits, boxes = outputs["pred_logits"].float(), outputs["pred_boxes"].float()
         # rfdetr's own PostProcess steps (box-only path), batched: no per-image Python lists on the device.
         scores, labels, queries = self.postprocess._select_topk(logits)
@@ -148,44 +150,63 @@ def reference_postprocess(outputs: dict[str, torch.Tensor], orig_size: torch.Ten
 
 
 class EvalCollate:
-    """Batch ``(image, target)`` samples to a FIXED ``global_batch_size``: the last partial batch is padded.
+    """Batch ``(image, target)`` samples to a FIXED number of rows (this host's share of a global eval batch): a
+    partial batch is padded.
 
-    Returns ``images`` [B,3,R,R], ``orig_size`` [B,2] (h, w), ``image_id`` [B] (-1 for padding) and ``real`` [B] bool.
-    Padding rows are blank images of size (R, R): they run through the same compiled graph and are dropped on the
-    host before anything is scored.
+    Returns ``images`` [rows,3,R,R], ``orig_size`` [rows,2] (h, w) and ``image_id`` [rows], -1 for padding. Padding rows
+    are blank images of size (R, R): they run through the same compiled graph and are dropped on the host (by their
+    id) before anything is scored.
     """
 
-    def __init__(self, global_batch_size: int, resolution: int) -> None:
-        self.global_batch_size = global_batch_size
+    def __init__(self, rows: int, resolution: int) -> None:
+        self.rows = rows
         self.resolution = resolution
 
     def __call__(self, samples: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
-        r, n, b = self.resolution, len(samples), self.global_batch_size
+        r, b = self.resolution, self.rows
         for image, target in samples:
             if tuple(image.shape) != (3, r, r):
                 raise ValueError(
                     f"image_id {int(target['image_id'])}: transformed to {tuple(image.shape)}, expected {(3, r, r)}; "
                     "static eval batches need one resolution"
                 )
-        images = torch.zeros(b, 3, r, r, dtype=torch.float32)
+        images = torch.zeros(b, 3, r, r, dtype=torch.uint8)  # uint8 pixels, normalised on the device
         orig_size = torch.full((b, 2), r, dtype=torch.int64)
         image_id = torch.full((b,), -1, dtype=torch.int64)
         for i, (image, target) in enumerate(samples):
             images[i] = image
             orig_size[i] = target["orig_size"].to(torch.int64)
             image_id[i] = int(target["image_id"].reshape(()))
-        return {"images": images, "orig_size": orig_size, "image_id": image_id, "real": torch.arange(b) < n}
+        return {"images": images, "orig_size": orig_size, "image_id": image_id}
 
 
-def eval_loader(dataset: Dataset[Any], global_batch_size: int, resolution: int, num_workers: int = 0) -> DataLoader:
-    """Sequential loader of padded static batches (every batch has ``global_batch_size`` rows)."""
+class EvalBatches(Sampler[list[int]]):
+    """The dataset indices this process loads of every global eval batch: consecutive global batches of
+    ``global_batch_size`` (the last one partial), of which slice ``share[0]`` of ``share[1]`` (:func:`~spmd_rfdetr.
+    hosts.host_rows`); indices past the end are left out (:class:`EvalCollate` pads them)."""
+
+    def __init__(self, size: int, global_batch_size: int, share: tuple[int, int] = (0, 1)) -> None:
+        self.size, self.global_batch_size, self.share = size, global_batch_size, share
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for start in range(0, self.size, self.global_batch_size):
+            rows = hosts.host_rows(list(range(start, start + self.global_batch_size)), *self.share)
+            yield [i for i in rows if i < self.size]
+
+    def __len__(self) -> int:
+        return math.ceil(self.size / self.global_batch_size)
+
+
+def eval_loader(dataset: Dataset[Any], global_batch_size: int, resolution: int, num_workers: int = 0,
+                share: tuple[int, int] | None = None) -> DataLoader:
+    """Sequential loader of padded static batches: this process's rows (``share``, default :func:`~spmd_rfdetr.
+    hosts.batch_share`) of every global batch of ``global_batch_size``."""
+    share = hosts.batch_share() if share is None else share
     return DataLoader(
         dataset,
-        batch_size=global_batch_size,
-        shuffle=False,
-        drop_last=False,
+        batch_sampler=EvalBatches(len(dataset), global_batch_size, share),  # type: ignore[arg-type]
         num_workers=num_workers,
-        collate_fn=EvalCollate(global_batch_size, resolution),
+        collate_fn=EvalCollate(global_batch_size // share[1], resolution),
         persistent_workers=num_workers > 0,
     )
 
@@ -202,16 +223,18 @@ def run_detection(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Run every batch through the compiled forward; returns (rows ``[N, K, 6]``, image ids ``[N]``) of real images.
 
-    Each batch's result is fetched (one device->host transfer) after the next batch has been dispatched.
+    Each batch's result is fetched (one device->host transfer) after the next batch has been dispatched. On several
+    hosts each loads its rows and the result is the global array: its image ids are every host's, gathered over gloo
+    in host order (:func:`~spmd_rfdetr.hosts.gather_rows`). Padding rows (id -1) are dropped here.
     """
     rows: list[np.ndarray] = []
     ids: list[np.ndarray] = []
-    pending: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def collect(out: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
-        real = batch["real"].numpy()
+    def collect(out: torch.Tensor, image_id: torch.Tensor) -> None:
+        real = image_id.numpy() >= 0
         rows.append(out.cpu().numpy()[real])
-        ids.append(batch["image_id"].numpy()[real])
+        ids.append(image_id.numpy()[real])
 
     with forward.eval_mode():
         for batch in loader:
@@ -219,7 +242,7 @@ def run_detection(
             out = forward(device_batch["images"], device_batch["orig_size"])
             if pending is not None:
                 collect(*pending)
-            pending = (out, batch)
+            pending = (out, hosts.gather_rows(batch["image_id"]))
         if pending is not None:
             collect(*pending)
     if not rows:

@@ -89,7 +89,9 @@ def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
     """
     cfg, fabric, cfgs, net = load_for_inference(cfg, checkpoint)
     check_data(cfg, [], images=images)  # every image of the folder readable, before the eval program compiles
-    folder = ImageFolder(images, eval_transforms(cfgs))
+    from spmd_rfdetr.data import uint8_pixels
+
+    folder = ImageFolder(images, uint8_pixels(eval_transforms(cfgs)))  # uint8 pixels, as an eval split's
     label2cat = label2cat_for(cfg.data.dataset_dir)
     if label2cat is None:
         log.warning("%s has no readable train/_annotations.coco.json: category_id is the label index",

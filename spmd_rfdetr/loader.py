@@ -17,14 +17,14 @@ import torch_xla.distributed.spmd as xs
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from spmd_rfdetr.hosts import process_count
+from spmd_rfdetr.hosts import batch_share
 from spmd_rfdetr.mesh import BATCH_AXES, batch_shard_count
 
 log = logging.getLogger(__name__)
 _END = object()  # the wrapped loader is exhausted
 _JOIN_S = 5.0  # how long closing an iteration waits for the thread to finish its in-flight batch
 _POLL_S = 0.1  # how often a thread blocked on a full queue checks whether the consumer stopped
-#: Fault injection for tests: the N-th batch this process loads gets NaN images (a real non-finite step in a real run).
+#: Fault injection for tests: the N-th batch this process loads gets NaN boxes (a real non-finite step in a real run).
 NAN_BATCH_ENV = "SPMD_RFDETR_TEST_NAN_BATCH"
 
 
@@ -40,7 +40,8 @@ class SPMDDataLoader:
 
     Works on any nesting of dicts/lists/tuples; 0-dim tensors are replicated and non-tensors pass through unchanged.
     Checks the batch size before XLA sees it, and cuts the lazy graph (``torch_xla.sync()``) between batches, as
-    torch_xla's ``MpDeviceLoader`` does. With ``prefetch > 0`` a background thread reads the wrapped loader and
+    torch_xla's ``MpDeviceLoader`` does, unless ``sync_each_batch=False`` (``fit``: its compiled step runs its own
+    programs, and a sync per batch is host time the step does not need). With ``prefetch > 0`` a background thread reads the wrapped loader and
     transfers its batches into a queue of that depth while the consumer computes; an error there is raised in the
     consumer, and the thread stops when the iteration ends, fails or is closed (``break`` then garbage collection,
     or ``.close()``). ``prefetch=0`` loads and transfers in ``next()``. Single host: the wrapped loader yields the
@@ -52,10 +53,12 @@ class SPMDDataLoader:
     ``__dict__`` once, so read them on this object (``fabric_loader._dataloader``), not on Fabric's wrapper.
     """
 
-    def __init__(self, loader: Any, mesh: xs.Mesh, device: torch.device, prefetch: int = 2) -> None:
+    def __init__(self, loader: Any, mesh: xs.Mesh, device: torch.device, prefetch: int = 2,
+                 sync_each_batch: bool = True) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 (0: load synchronously), got {prefetch}.")
         self._loader, self.mesh, self.device, self.prefetch = loader, mesh, device, prefetch
+        self.sync_each_batch = sync_each_batch
         self.dataset = getattr(loader, "dataset", None)
         self.sampler = getattr(loader, "sampler", None)
         self.batch_sampler = getattr(loader, "batch_sampler", None)
@@ -99,7 +102,8 @@ class SPMDDataLoader:
                     raise item.error
                 self._batches += 1
                 yield item
-                torch_xla.sync()  # cut the graph the consumer built on this batch
+                if self.sync_each_batch:
+                    torch_xla.sync()  # cut the graph the consumer built on this batch
         finally:
             stop.set()
             # wait for the in-flight batch, so two iterations never read the wrapped loader at once; a generator
@@ -115,9 +119,10 @@ class SPMDDataLoader:
     def to_device(self, batch: Any) -> Any:
         """Move one loaded CPU batch to the mesh, every tensor sharded on dim 0 (counted: see ``NAN_BATCH_ENV``)."""
         self._loaded += 1
-        if self._loaded == self._nan_batch and isinstance(batch, dict) and "images" in batch:
-            log.warning("%s=%d: this batch's images are NaN (fault injection)", NAN_BATCH_ENV, self._nan_batch)
-            batch = {**batch, "images": torch.full_like(batch["images"], float("nan"))}
+        if self._loaded == self._nan_batch and isinstance(batch, dict) and "boxes" in batch:
+            # NaN target boxes, a NaN loss: the images are uint8 (no NaN), and a float image batch would compile anew
+            log.warning("%s=%d: this batch's boxes are NaN (fault injection)", NAN_BATCH_ENV, self._nan_batch)
+            batch = {**batch, "boxes": torch.full_like(batch["boxes"], float("nan"))}
         return self.place(batch)
 
     def place(self, batch: Any) -> Any:
@@ -127,7 +132,7 @@ class SPMDDataLoader:
     def _send(self, tensor: Tensor) -> Tensor:
         if tensor.dim() == 0:
             return tensor.as_subclass(Tensor).to(self.device)
-        shards, hosts = batch_shard_count(self.mesh), process_count()
+        shards, hosts = batch_shard_count(self.mesh), batch_share()[1]
         if tensor.shape[0] * hosts % shards:  # several hosts: this is the host's slice of the global batch
             raise ValueError(
                 f"Batch size {tensor.shape[0] * hosts} (a tensor of shape {tuple(tensor.shape)}) is not divisible by the "

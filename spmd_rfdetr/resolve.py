@@ -71,6 +71,13 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
         problems.append(f"data.per_device_batch_size={d.per_device_batch_size} must be >= 1")
     elif device_count is not None and d.per_device_batch_size is not None and batch_shards(cfg, device_count) > 0:
         d.global_batch_size = d.per_device_batch_size * batch_shards(cfg, device_count)
+    if d.num_workers == "auto":
+        from spmd_rfdetr.data import worker_count
+
+        d.num_workers = worker_count("auto")  # this host's CPUs, before any loader is built
+        logging.getLogger(__name__).info("data.num_workers=auto: %d DataLoader workers", d.num_workers)
+    elif not isinstance(d.num_workers, int) or d.num_workers < 0:
+        problems.append(f"data.num_workers={d.num_workers!r} must be >= 0 or auto")
     c = cfg.checkpointing
     lower_bounds = [  # (field, value, smallest allowed value, what a value at the bound means)
         ("data.global_batch_size", d.global_batch_size, 1, ""),

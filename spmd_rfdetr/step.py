@@ -25,6 +25,7 @@ import torch
 import torch_xla
 from rfdetr.utilities.tensors import NestedTensor
 
+from spmd_rfdetr.data import normalize_images
 from spmd_rfdetr.loss import total_loss
 from spmd_rfdetr.replay import Lowered, Replayer, ReplayUnsafe, replicate_unannotated
 
@@ -49,9 +50,11 @@ def forward_loss(
     """Forward + criterion: (weighted total loss, rfdetr's loss dict). The loss is computed in fp32.
 
     ``criterion(outputs, batch)`` takes the static batch itself (:class:`~spmd_rfdetr.loss.StaticSetCriterion`);
+    its uint8 ``images`` are normalised here, in float32 (:func:`~spmd_rfdetr.data.normalize_images`);
     ``num_boxes``: rfdetr's loss normaliser, when it is not this batch's own box count (accumulation)."""
+    samples = as_samples(normalize_images(batch["images"]))
     with autocast():
-        outputs = model(as_samples(batch["images"]))
+        outputs = model(samples)
     outputs = _to_float(outputs)
     extra = {} if num_boxes is None else {"num_boxes": num_boxes}  # a criterion without rfdetr's override works too
     loss_dict = criterion(outputs, batch, **extra)

@@ -127,7 +127,9 @@ def test_plot_is_written(bench) -> None:
 
 def test_loader_reports_images_per_sec_per_worker(synth_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    """``--loader`` on the synthetic dataset: rfdetr's transforms, 0 and 1 DataLoader workers, no XLA runtime."""
+    """``--loader`` on the synthetic dataset: rfdetr's transforms, 0 and 1 DataLoader workers, rfdetr's float pipeline
+    and fit's uint8 one (a quarter of the image bytes per batch), no XLA runtime, JSON + PNG; and on photo-like JPEGs
+    of a given size (``--loader-jpegs``)."""
     import torch_xla
 
     monkeypatch.setattr(sys, "path", list(sys.path))  # run.py puts benchmarks/ on it
@@ -140,9 +142,19 @@ def test_loader_reports_images_per_sec_per_worker(synth_dir: str, tmp_path: Path
                  "--loader-batches", "2", "--json", str(json_path)])
     result = json.loads(json_path.read_text())
     assert result["benchmark"] == "loader" and result["resolution"] == TINY_MODEL.resolution
-    assert [r["workers"] for r in result["rows"]] == [0, 1]
+    assert [(r["workers"], r["pipeline"]) for r in result["rows"]] == [(0, "float"), (0, "uint8"), (1, "float"),
+                                                                        (1, "uint8")]
     for row in result["rows"]:
         assert row["images"] == 8 and row["images_per_sec"] > 0 and row["images_per_sec_per_worker"] > 0
+        assert row["image_dtype"] == {"float": "torch.float32", "uint8": "torch.uint8"}[row["pipeline"]]
+    image_bytes = {p: b["images"] for p, b in result["bytes_per_batch"].items()}
+    assert image_bytes == {"float": 4 * 3 * 128 * 128 * 4, "uint8": 4 * 3 * 128 * 128}  # a quarter
+    assert json_path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     if not runtime_before:
         assert not result["xla_runtime_started"]
     assert "| DataLoader workers |" in capsys.readouterr().out
+    run["main"](["--config", str(ROOT / "configs" / "cpu.yaml"), "--loader", "--loader-jpegs", "96x64", "--resolution",
+                 str(TINY_MODEL.resolution), "--batch", "4", "--loader-workers", "0", "--loader-batches", "1",
+                 "--loader-pipeline", "uint8", "--json", str(json_path)])
+    rows = json.loads(json_path.read_text())["rows"]
+    assert [(r["source"], r["pipeline"], r["dataset_images"]) for r in rows] == [("96x64 JPEG", "uint8", 64)]

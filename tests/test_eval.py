@@ -82,6 +82,7 @@ def upstream_eager_eval(tiny, state, dataset):
     from rfdetr.datasets import get_coco_api_from_dataset
     from rfdetr.evaluation.coco_eval import CocoEvaluator
 
+    from spmd_rfdetr.data import upstream_float
     from spmd_rfdetr.model import build_model, build_upstream_criterion
 
     net = build_model(tiny.cfgs)
@@ -94,7 +95,8 @@ def upstream_eager_eval(tiny, state, dataset):
     with torch.no_grad():
         for start in range(0, len(dataset), 8):
             items = [dataset[i] for i in range(start, min(start + 8, len(dataset)))]
-            outputs = net(as_samples(torch.stack([image for image, _ in items])))
+            # the split's uint8 pixels through upstream's own host ToDtype + Normalize
+            outputs = net(as_samples(upstream_float(torch.stack([image for image, _ in items]))))
             sizes = torch.stack([target["orig_size"] for _, target in items])
             results = postprocess(outputs, sizes)
             evaluator.update({int(target["image_id"]): r for (_, target), r in zip(items, results)})

@@ -85,10 +85,13 @@ def test_buckets_compile_before_step_1_and_train_as_upstream(loop_tiny, mesh_tra
     """8 steps of the loop model over 2 buckets from the real loader (sizes as upstream draws them), each bucket's
     program compiled before step 1 from a blank batch (as ``fit`` does): the sizes follow the step; the step is traced
     once per bucket (+1: the replay check at step 1) and no step compiles; each step's loss equals upstream's eager
-    step on the same batches (so compiling ahead left the state alone): step 1 to 1e-5, each bucket's first step and steps
+    step on the same pixels through its own float pipeline and resize (so compiling ahead left the state alone): step 1 to 1e-5, each bucket's first step and steps
     1-5 within :func:`parity_tolerance` (measured up to step 5), later steps within 1e-2 (two correct float32 runs
     drift further as near-tied proposal rankings flip: 2.5e-3 measured at step 12 over 3 buckets of the tiny model)."""
+    import torch
+
     from spmd_rfdetr.build import build_trainer
+    from spmd_rfdetr.data import upstream_float
     from spmd_rfdetr.loop import precompile_buckets
 
     tiny = loop_tiny
@@ -96,23 +99,30 @@ def test_buckets_compile_before_step_1_and_train_as_upstream(loop_tiny, mesh_tra
     data = dataclasses.replace(tiny.cfg.data, dataset_dir=synth_dir, multi_scale=True, scales=BUCKETS)
     cfg = RunConfig(model=copy.deepcopy(tiny.cfg.model), data=data, optim=tiny.cfg.optim, trainer=tiny.cfg.trainer)
     cfgs = upstream_configs(cfg.model, data, cfg.optim, num_classes=3)
-    loader = make_train_loader(build_split(cfgs, "train"), data, max(upstream_scales(cfg.model)), seed=7,
-                               scales=multi_scale_buckets(cfg))
+    train, largest = build_split(cfgs, "train"), max(upstream_scales(cfg.model))
+    loader = make_train_loader(train, data, largest, seed=7, scales=multi_scale_buckets(cfg))
     batches = [batch for batch, _ in zip(loader, range(STEPS))]
     sizes = [b["images"].shape[-1] for b in batches]
     assert sizes == [batch_scale(BUCKETS, step) for step in range(STEPS)] and set(sizes) == set(BUCKETS), sizes
+    # upstream's own pipeline on the same pixels: the batches at the largest scale (the same seeded samples), its
+    # ToDtype + Normalize on the host, then its on_train_batch_start resize of the float batch
+    unresized = [batch for batch, _ in zip(make_train_loader(train, data, largest, seed=7), range(STEPS))]
+    upstream_batches = [{**b, "images": torch.nn.functional.interpolate(upstream_float(b["images"]), size=size,
+                                                                        mode="bilinear", align_corners=False)}
+                        for b, size in zip(unresized, sizes)]
 
     trainer = build_trainer(mesh_trainer.fabric, tiny.cfgs, cfg.optim, cfg.trainer, model=tiny.model(),
                             ema=cfg.model)
     precompile_buckets(trainer.step, BUCKETS,
-                       lambda size: mesh_trainer.to_device(blank_batch(data.global_batch_size, size, data.max_targets)))
+                       lambda size: mesh_trainer.to_device(blank_batch(data.global_batch_size, size, data.max_targets,
+                                                                       largest)))
     compiled = xla_counters()["xla_compiles"]
     losses = [trainer.step.read(trainer.step(mesh_trainer.to_device(batch)))["loss"] for batch in batches]
     assert trainer.step.mode == "replay", trainer.step.fallback_reason
     assert trainer.step.traces == len(BUCKETS) + 1
     assert xla_counters()["xla_compiles"] == compiled  # the blank batches had the real batches' signatures
 
-    upstream = types.SimpleNamespace(cfg=tiny.cfg, cfgs=tiny.cfgs, batches=batches, model=tiny.model)
+    upstream = types.SimpleNamespace(cfg=tiny.cfg, cfgs=tiny.cfgs, batches=upstream_batches, model=tiny.model)
     reference, _ = upstream_steps(upstream, STEPS)
     first_steps = set(first_uses(BUCKETS, 0, STEPS).values())
     for step, (ours, ref) in enumerate(zip(losses, reference), start=1):

@@ -116,7 +116,8 @@ class ToyCriterion(torch.nn.Module):
 
 def toy_batches(count: int, batch: int = 8) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    return [{"images": torch.randn(batch, 3, 8, 8, generator=g), "boxes": torch.rand(batch, 2, 4, generator=g),
+    return [{"images": torch.randint(0, 256, (batch, 3, 8, 8), generator=g, dtype=torch.uint8),
+             "boxes": torch.rand(batch, 2, 4, generator=g),
              "labels": torch.zeros(batch, 2, dtype=torch.int64), "valid": torch.ones(batch, 2, dtype=torch.bool)}
             for _ in range(count)]
 

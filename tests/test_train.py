@@ -25,13 +25,16 @@ def sharding(t: torch.Tensor) -> str:
 
 def upstream_steps(tiny, steps: int, on_xla: bool = False) -> tuple[list[float], list[torch.Tensor]]:
     """Upstream rfdetr's own step, from upstream's own pieces only: its model on ``nested_tensor_from_tensor_list``
-    samples, its SetCriterion (SciPy matcher) on each image's real boxes (on XLA padded by its own
-    ``pad_targets_to_fixed_count``, its XLA path), the weighted sum of its training module, AdamW over its parameter
+    samples of its own host float pipeline on the batch's uint8 pixels (``ToDtype`` + ``Normalize``:
+    :func:`~spmd_rfdetr.data.upstream_float`; a float32 batch is taken as that input already), its SetCriterion
+    (SciPy matcher) on each image's real boxes (on XLA padded by its own ``pad_targets_to_fixed_count``, its XLA path), the weighted sum of its training module, AdamW over its parameter
     groups, clipping. On the CPU (eager torch, plain AdamW as rfdetr trains), or ``on_xla``: on the XLA device, traced
     lazily by torch_xla (graphs cut where upstream's matcher reads the costs on the host) with AdamW ``capturable``
     (step count on the device), the numerics our compiled step uses. (torch_xla's eager mode, which ran it op by op
     until 2026-11-30, segfaults at random under SPMD: in the forward or in AdamW, about 1 run in 4.)"""
     from rfdetr.utilities.tensors import nested_tensor_from_tensor_list, pad_targets_to_fixed_count
+
+    from spmd_rfdetr.data import upstream_float
 
     device = torch_xla.device() if on_xla else torch.device("cpu")
     net = tiny.model().to(device)
@@ -45,7 +48,9 @@ def upstream_steps(tiny, steps: int, on_xla: bool = False) -> tuple[list[float],
         if on_xla:
             targets = pad_targets_to_fixed_count(targets, batch["labels"].shape[1])
         targets = [{k: v.to(device) for k, v in t.items()} for t in targets]
-        samples = nested_tensor_from_tensor_list(list(batch["images"])).to(device)
+        images = batch["images"]  # uint8 pixels through upstream's own ToDtype + Normalize; float: its input already
+        images = upstream_float(images) if images.dtype == torch.uint8 else images
+        samples = nested_tensor_from_tensor_list(list(images)).to(device)
         optimizer.zero_grad(set_to_none=True)
         loss_dict = criterion(net(samples), targets)
         weight_dict = criterion.weight_dict  # rfdetr's RFDETRModelModule.training_step
@@ -250,13 +255,13 @@ def test_ema_in_the_step_equals_upstreams_trainer_on_the_same_weights(tiny, mesh
 
 @pytest.mark.slow
 def test_a_nonfinite_step_changes_nothing_and_is_counted(tiny, mesh_trainer):
-    """A NaN batch: the step's loss is NaN, the weights and AdamW state stay as they were, the device counters name
-    the step; the next finite batch trains again."""
+    """A NaN batch (NaN target boxes: the uint8 images cannot hold one): the step's loss is NaN, the weights and AdamW
+    state stay as they were, the device counters name the step; the next finite batch trains again."""
     step = mesh_trainer.step
     optimizer = mesh_trainer.optimizer
     snapshot = lambda: [t.cpu().clone() for t in step._updated_by_optimizer()]  # noqa: E731
     bad = dict(tiny.batches[0])
-    bad["images"] = torch.full_like(bad["images"], float("nan"))
+    bad["boxes"] = torch.full_like(bad["boxes"], float("nan"))
     counted = step.read(step(mesh_trainer.to_device(tiny.batches[1])))["nonfinite_steps"]
     before = snapshot()
     stats = step.read(step(mesh_trainer.to_device(bad)))

@@ -34,7 +34,8 @@ SCHEDULE_STEPS = 1_000_000
 
 def synthetic_batches(batch: int, resolution: int, max_targets: int, num_classes: int, count: int,
                       seed: int) -> list[dict[str, Any]]:
-    """Fixed static batches: N(0,1) images (already "normalised"), 1..T valid random cxcywh boxes per image."""
+    """Fixed static batches: random uint8 pixels (as the train loader's; upstream's side puts them through its own
+    ToDtype + Normalize, :func:`~spmd_rfdetr.data.upstream_float`), 1..T valid random cxcywh boxes per image."""
     import torch
 
     g = torch.Generator().manual_seed(seed + 1)
@@ -47,7 +48,7 @@ def synthetic_batches(batch: int, resolution: int, max_targets: int, num_classes
         boxes = torch.where(valid[..., None], torch.cat([centers, sides], dim=-1), torch.zeros(()))
         labels = torch.where(valid, torch.randint(0, num_classes, (batch, max_targets), generator=g), 0)
         batches.append({
-            "images": torch.randn(batch, 3, resolution, resolution, generator=g),
+            "images": torch.randint(0, 256, (batch, 3, resolution, resolution), generator=g, dtype=torch.uint8),
             "boxes": boxes.float(),
             "labels": labels.long(),
             "valid": valid,
@@ -152,7 +153,7 @@ def child_upstream(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch_xla
 
-    from spmd_rfdetr.data import targets_list
+    from spmd_rfdetr.data import targets_list, upstream_float
     from spmd_rfdetr.loss import total_loss
     from spmd_rfdetr.model import build_model, build_optimizer, build_upstream_criterion, upstream_configs
     from spmd_rfdetr.step import as_samples
@@ -169,7 +170,8 @@ def child_upstream(spec: dict[str, Any]) -> dict[str, Any]:
     resolution = cfgs.model.resolution
     cpu_batches = synthetic_batches(d.global_batch_size, resolution, d.max_targets, m.num_classes,
                                     spec["num_batches"], cfg.trainer.seed)
-    batches = [{k: v.to(device) for k, v in b.items()} for b in cpu_batches]
+    # upstream's input: its own host float pipeline on the same pixels (not timed, as its DataLoader's is not)
+    batches = [{k: (upstream_float(v) if k == "images" else v).to(device) for k, v in b.items()} for b in cpu_batches]
     torch_xla.sync()
 
     def step(batch: dict[str, Any]) -> Any:

@@ -36,7 +36,7 @@ from spmd_rfdetr.config import (
     RunConfig,
     TrainerOptions,
 )
-from spmd_rfdetr.resolve import multi_scale_buckets, resolve_and_check
+from spmd_rfdetr.resolve import multi_scale_buckets, resolve_and_check, upstream_scales
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +97,13 @@ def trace_programs(cfg: RunConfig, out: Path, train_only: bool = False) -> list[
                          f"{trainer.step.mode!r} mode (trainer.step_mode / trainer.matcher / trainer.compile_backend)")
     place = fabric.strategy.process_dataloader(torch.utils.data.DataLoader([])).place
     sizes = multi_scale_buckets(cfg) or [cfgs.model.resolution]
+    read_at = max(upstream_scales(cfg.model)) if multi_scale_buckets(cfg) else cfgs.model.resolution  # as fit reads
     if train_only:
         sizes = [max(sizes)]
     common = {"num_partitions": devices, "precision": t.precision, "variant": cfg.model.variant}
     programs = []
     for size in sizes:
-        batch = place(blank_batch(d.global_batch_size, size, d.max_targets))
+        batch = place(blank_batch(d.global_batch_size, size, d.max_targets, read_at))
         lowered = trainer.step.lower(batch)
         name = f"train_step {size}px"
         programs.append(_write(out, name, "train", lowered, d.global_batch_size, devices, size, common))

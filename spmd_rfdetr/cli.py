@@ -17,7 +17,7 @@ from typing import Any
 
 from jsonargparse import CLI, ArgumentParser, set_parsing_settings
 
-from spmd_rfdetr import checks, loop
+from spmd_rfdetr import checks, hosts, loop
 from spmd_rfdetr.aot.check import AotFailed, DoesNotFit
 from spmd_rfdetr.loop import NonFiniteLoss
 from spmd_rfdetr.config import (
@@ -302,6 +302,7 @@ def main(args: list[str] | None = None) -> None:
              "synth": synth, "plan": plan, "aot": aot}
     try:
         CLI(verbs, args=argv, as_positional=False, parser_class=_Parser)
+        hosts.leave_hosts()  # several hosts: leave the gloo group together (gloo may abort at exit otherwise)
     except USER_ERRORS as error:
         if debug:
             traceback.print_exc()

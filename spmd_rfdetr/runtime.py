@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from spmd_rfdetr.config import MeshOptions
-from spmd_rfdetr.hosts import join_hosts
+from spmd_rfdetr.hosts import is_coordinator, join_hosts
 
 log = logging.getLogger(__name__)
 
@@ -24,14 +24,15 @@ def setup_runtime(mesh: MeshOptions, compile_cache_dir: str | None = None) -> st
         os.environ["CPU_NUM_DEVICES"] = str(mesh.cpu_devices)
     import torch_xla.runtime as xr
 
-    cache = _compile_cache(compile_cache_dir)
     if not xr.is_spmd():
         xr.use_spmd()
     join_hosts()  # several hosts (a pod slice): their gloo group for host-level agreement
-    return cache
+    return _compile_cache(compile_cache_dir, writer=is_coordinator())
 
 
-def _compile_cache(cache_dir: str | None) -> str | None:
+def _compile_cache(cache_dir: str | None, writer: bool) -> str | None:
+    """Open the persistent cache (before the first compile); ``writer``: this host writes new entries (host 0 only: on
+    a shared directory every host would otherwise write the same entries at once; the others read them)."""
     import torch_xla
     import torch_xla.runtime as xr
 
@@ -43,6 +44,7 @@ def _compile_cache(cache_dir: str | None) -> str | None:
         return None
     path = cache_dir or str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "spmd_rfdetr" / "xla")
     Path(path).mkdir(parents=True, exist_ok=True)
-    xr.initialize_cache(path, readonly=False)
-    log.info("persistent XLA compilation cache: %s (a run with the same graphs loads them instead of compiling)", path)
+    xr.initialize_cache(path, readonly=not writer)
+    log.info("persistent XLA compilation cache: %s (a run with the same graphs loads them instead of compiling%s)", path,
+             "" if writer else "; read-only on this host, host 0 writes")
     return path

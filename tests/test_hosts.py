@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import read_metrics
 from jobs import JobInputs, job_fixture
 from spmd_rfdetr.data import TrainBatches
 
@@ -38,6 +39,7 @@ hosts.join_hosts()  # a group exists: nothing happens
 out["any_on_host_1"] = hosts.any_host(rank == 1)
 out["any_on_none"] = hosts.any_host(False)
 with Preemption() as preemption:  # what fit does every step: a SIGTERM on one host stops all of them
+    preemption.first_step_done()  # (before it, SIGTERM would end the process at once)
     if rank == 1:
         os.kill(os.getpid(), signal.SIGTERM)
     out["sigterm_here"] = preemption.requested
@@ -50,46 +52,39 @@ except ValueError as error:
     out["mismatch"] = str(error)
 batches = iter(TrainBatches(32, 8, seed=3, start_step=2, host=(rank, count)))
 out["rows"] = [next(batches) for _ in range(6)]
+import torch
+out["gathered"] = hosts.gather_rows(torch.tensor([10 * rank, 10 * rank + 1]), share=(rank, count)).tolist()
 from spmd_rfdetr.coco import CocoMetrics
 from spmd_rfdetr.evaluate import EvalResult, save_result
 metrics = CocoMetrics({"mAP": 0.5}, [], num_images=1, num_detections=1)
 result = EvalResult(metrics, [{"image_id": 1}], [1], 1)  # every host holds the same
 save_result(result, sys.argv[4], stem=f"host{rank}_")  # only host 0's files may appear
-hosts.barrier()
+hosts.leave_hosts()
 print("RESULT", json.dumps(out))
 """
 
 
-#: One host of two, on its own 2-device XLA CPU mesh: the loop model's replayed step on two batches, before and after
-#: the default gloo group exists (``fit`` joins one on several hosts; rfdetr's criterion would then all-reduce the XLA
-#: box count inside the traced step and divide by the host count, while under SPMD the count is already global).
-HOST_STEP = r"""
-import json, sys, torch
+#: One host of two: ``python -m spmd_rfdetr fit`` (its ``main``) in a process that has joined a gloo default group, as
+#: ``fit`` joins one on a pod slice. Its own XLA runtime drives the whole 4-device CPU mesh (torch_xla's CPU client
+#: cannot span processes), so it must load every row of each global batch and train as one host does: the rows a host
+#: loads follow the XLA runtime's processes, not the gloo group's (on a pod they are the same). No ``torch.distributed``
+#: call of rfdetr's may reach the traced step (gloo has no XLA backend; rfdetr would also divide the box count by the
+#: host count). Every record the loop writes is printed, host 1's too (it writes no file).
+HOST_FIT = r"""
+import json, sys
 import torch.distributed as dist
-import torch_xla.runtime as xr
-xr.use_spmd()
-from spmd_rfdetr.build import build_trainer
-from spmd_rfdetr.fabric import spmd_fabric
-from spmd_rfdetr.mesh import build_mesh
-from spmd_rfdetr.model import build_model, upstream_configs
 rank, count, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-saved = torch.load(sys.argv[4], weights_only=False)
-cfg = saved["cfg"]
-cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, num_classes=3)
-fabric = spmd_fabric(build_mesh(), precision="32-true")
-loader = fabric.strategy.process_dataloader(torch.utils.data.DataLoader(saved["batches"], batch_size=None))
-def steps():
-    net = build_model(cfgs)
-    net.load_state_dict(saved["init_state"])
-    trainer = build_trainer(fabric, cfgs, cfg.optim, cfg.trainer, model=net.train(), ema=cfg.model)
-    stats = [trainer.step.read(trainer.step(loader.to_device(b))) for b in saved["batches"]]
-    return {"losses": [s["loss"] for s in stats], "mode": trainer.step.mode}
-out = {"alone": steps()}
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=count)
-out["joined"] = steps()
-out["world"] = dist.get_world_size()
-print("RESULT", json.dumps(out))
+from spmd_rfdetr import metrics
+from spmd_rfdetr.cli import main
+records, write = [], metrics.MetricsLog.write
+metrics.MetricsLog.write = lambda self, record: (records.append(record), write(self, record))[1]
+world = dist.get_world_size()
+main(["fit", *sys.argv[4:]])  # leaves the group at the end
+print("RESULT", json.dumps({"records": records, "world": world, "left": not dist.is_initialized()}))
 """
+#: The two-host fit's steps: inside the loop fit's warm-up, where the LR does not depend on ``max_steps``.
+HOST_FIT_STEPS = 4
 
 
 def free_port() -> int:
@@ -110,6 +105,7 @@ def test_two_gloo_hosts_agree_on_stop_and_sizes_and_split_the_global_batch(tmp_p
         results.append(json.loads(stdout.split("RESULT", 1)[1]))
     assert [r["host"] for r in results] == [[0, 2], [1, 2]]
     assert [r["coordinator"] for r in results] == [True, False]
+    assert [r["gathered"] for r in results] == [[0, 1, 10, 11]] * 2  # eval's image ids of the global array
     assert [r["any_on_host_1"] for r in results] == [True, True]
     assert [r["any_on_none"] for r in results] == [False, False]
     assert [r["sigterm_here"] for r in results] == [False, True]  # the real signal reached host 1 only ...
@@ -145,32 +141,46 @@ def test_the_minibatch_path_builds_the_global_batch_as_the_global_path():
 
 
 @job_fixture
-def two_hosts_step(inputs: JobInputs, out: Path) -> list[subprocess.CompletedProcess[str]]:
-    """:data:`HOST_STEP` in two processes of one gloo group, on the loop model's first two batches."""
-    tiny = inputs.loop_tiny
-    torch.save({"cfg": tiny.cfg, "init_state": tiny.init_state, "batches": tiny.batches[:2]}, out / "loop.pt")
+def two_hosts_fit(inputs: JobInputs, out: Path) -> list[tuple[subprocess.CompletedProcess[str], Path]]:
+    """:data:`HOST_FIT` in two processes of one gloo group: the loop fit's config for :data:`HOST_FIT_STEPS` steps,
+    evaluated at the end, each host with its own output directory."""
     port, count = free_port(), 2
-    env = {**inputs.env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
-    procs = [subprocess.Popen([sys.executable, "-c", HOST_STEP, str(rank), str(count), str(port), str(out / "loop.pt")],
+    env = {**inputs.env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+    dirs = [out / f"host{rank}" for rank in range(count)]
+    procs = [subprocess.Popen([sys.executable, "-c", HOST_FIT, str(rank), str(count), str(port), "--config",
+                               str(inputs.loop_config), "--trainer.output_dir", str(dirs[rank]),
+                               "--trainer.max_steps", str(HOST_FIT_STEPS), "--eval.every_steps", str(HOST_FIT_STEPS)],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(count)]
     done = []
-    for proc in procs:
+    for proc, directory in zip(procs, dirs):
         stdout, stderr = proc.communicate(timeout=900)
-        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+        done.append((subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), directory))
     return done
 
 
 @pytest.mark.slow
-def test_the_replayed_step_runs_as_one_host_with_a_gloo_default_group(two_hosts_step):
-    """Each of two hosts replays the loop model's compiled step after joining the gloo group exactly as before it:
-    the same losses bit for bit (no collective of rfdetr's in the traced step, no loss scaled by the host count) and
-    still one replayed program."""
+def test_two_hosts_fit_and_evaluate_as_one_host_with_a_gloo_default_group(two_hosts_fit, loop_run, synth_dir):
+    """Each of two hosts in one gloo group trains the loop fit's first steps with the losses of the one-host fit
+    (conftest's ``loop_run``, the same config, mesh and batches) bit for bit, in one replayed program; both evaluate
+    every image of the split once, with the same result; host 0 alone writes files. Fails when a host loads only
+    its gloo share of the rows (half the batch here), or when a collective of rfdetr's reaches the traced step."""
     results = []
-    for proc in two_hosts_step:
+    for proc, _ in two_hosts_fit:
         assert proc.returncode == 0, proc.stderr[-4000:]
         results.append(json.loads(proc.stdout.split("RESULT", 1)[1]))
+    reference = [r["loss"] for r in read_metrics(loop_run)[:HOST_FIT_STEPS]]
+    evals = []
     for r in results:
-        assert r["world"] == 2 and r["alone"]["mode"] == r["joined"]["mode"] == "replay", r
-        assert r["joined"]["losses"] == r["alone"]["losses"] and len(set(r["alone"]["losses"])) == 2, r
-    assert results[0]["alone"]["losses"] == results[1]["alone"]["losses"]  # the same batches on both hosts
+        assert r["world"] == 2 and r["left"]
+        records = r["records"]
+        assert [x["loss"] for x in records] == reference, (records, reference)
+        assert {x["step_mode"] for x in records} == {"replay"} and records[-1]["step_traces"] == 2
+        evals.append({k: v for k, v in records[-1].items() if k.startswith("eval/")})
+    assert evals[0] == evals[1] and evals[0]["eval/mAP"] >= 0, evals
+    host0, host1 = (directory for _, directory in two_hosts_fit)
+    summary = json.loads(next((host0 / "eval").glob("*coco_eval.json")).read_text())
+    valid = json.loads((Path(synth_dir) / "valid" / "_annotations.coco.json").read_text())
+    assert summary["num_images"] == len(valid["images"]), summary  # every image once, no padding row scored
+    assert (host0 / "last.pth").is_file() and (host0 / "metrics.jsonl").is_file()
+    assert not [p for p in host1.rglob("*") if p.is_file()], list(host1.rglob("*"))  # host 1 writes nothing

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spmd_rfdetr.data import StaticCollate, pad_target
-from spmd_rfdetr.evaluate import EvalCollate
+from spmd_rfdetr.evaluate import EvalBatches, EvalCollate
 
 unit = st.floats(0.0, 1.0, allow_nan=False, width=32)
 
@@ -79,7 +79,22 @@ def test_eval_collate_pads_to_the_global_batch(batch: int, data: st.DataObject) 
     samples = [(torch.rand(3, 8, 8), data.draw(targets(max_objects=3))) for _ in range(real)]
     out = EvalCollate(batch, 8)(samples)
     assert out["images"].shape == (batch, 3, 8, 8) and out["orig_size"].shape == (batch, 2)
-    assert torch.equal(out["real"], torch.arange(batch) < real)
+    assert set(out) == {"images", "orig_size", "image_id"}  # padding is told by its id alone
     assert out["image_id"][:real].tolist() == [int(t["image_id"]) for _, t in samples]
     assert (out["image_id"][real:] == -1).all() and not out["images"][real:].any()
     assert torch.equal(out["orig_size"][:real], torch.stack([t["orig_size"] for _, t in samples]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(size=st.integers(1, 40), hosts=st.sampled_from([1, 2, 4]), per_host=st.integers(1, 4))
+def test_each_hosts_eval_rows_assemble_the_one_host_batches(size: int, hosts: int, per_host: int) -> None:
+    """Several hosts: host ``i`` loads slice ``i`` of every global eval batch; the slices in host order, each padded
+    to its rows, are the one-host batches (the global array torch_xla assembles), every image exactly once."""
+    batch = hosts * per_host
+    one_host = list(EvalBatches(size, batch))
+    shares = [list(EvalBatches(size, batch, (i, hosts))) for i in range(hosts)]
+    assert all(len(s) == len(one_host) == -(-size // batch) for s in shares)
+    for k, global_rows in enumerate(one_host):
+        padded = [rows + [-1] * (per_host - len(rows)) for rows in (s[k] for s in shares)]
+        assert sum(padded, []) == global_rows + [-1] * (batch - len(global_rows)), k
+    assert sorted(i for s in shares for rows in s for i in rows) == list(range(size))

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 _NAME = re.compile(r"^step_(\d{8})$")
 _META = "meta.json"
+#: A save slower than this warns: a spot VM's preemption notice is about 30 s.
+SLOW_SAVE_S = 20
 #: Seconds to pause before publishing a save (a test kills the process inside that window).
 _PAUSE_ENV = "SPMD_RFDETR_TEST_PAUSE_BEFORE_PUBLISH_S"
 
@@ -87,7 +89,12 @@ def save(output_dir: str | Path, step: int, state: dict[str, torch.Tensor], meta
         if final.exists():  # a re-run of the same step (e.g. SIGTERM right after a periodic save)
             shutil.rmtree(final)
         os.replace(partial, final)  # the publish: one rename
-        log.info("saved %s (%.1f s)", final, time.perf_counter() - started)
+        took = time.perf_counter() - started
+        log.info("saved %s (%.1f s)", final, took)
+        if took > SLOW_SAVE_S:
+            log.warning("saving took %.1f s, more than %g s: a preempted spot VM gets about 30 s of notice, so a save "
+                        "on SIGTERM may not finish. Save to a faster disk (trainer.output_dir) or shard the weights "
+                        "(mesh.fsdp).", took, SLOW_SAVE_S)
         for old in sorted(complete(root))[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     hosts.barrier()

@@ -148,13 +148,15 @@ class SPMDStrategy(XLAStrategy):
     Parameters are replicated on every device; batches are sharded on dim 0 (see ``SPMDDataLoader``).
 
     ``prefetch``: batches each loader from ``process_dataloader`` (``fabric.setup_dataloaders``) loads ahead in a
-    background thread (0: synchronously); set ``fabric.strategy.prefetch`` before setting the loaders up.
+    background thread (0: synchronously); set ``fabric.strategy.prefetch`` before setting the loaders up, and
+    ``sync_each_batch`` (default True: ``torch_xla.sync()`` after each batch) to False where the step syncs itself.
     """
 
     def __init__(self, mesh: Optional[xs.Mesh] = None, accelerator: Optional[SPMDAccelerator] = None,
                  precision: Optional[XLAPrecision] = None, checkpoint_io: Any = None, prefetch: int = 2) -> None:
         self.mesh = mesh if mesh is not None else build_mesh()
         self.prefetch = prefetch
+        self.sync_each_batch = True
         super().__init__(parallel_devices=[torch.device("xla", 0)], checkpoint_io=checkpoint_io,
                          precision=precision, sync_module_states=False)
         self.accelerator = accelerator
@@ -222,7 +224,8 @@ class SPMDStrategy(XLAStrategy):
         """Wrap ``dataloader`` so batches arrive sharded on the mesh's batch axes."""
         if isinstance(dataloader, SPMDDataLoader):
             return dataloader
-        return SPMDDataLoader(dataloader, self.mesh, self.root_device, prefetch=self.prefetch)
+        return SPMDDataLoader(dataloader, self.mesh, self.root_device, prefetch=self.prefetch,
+                              sync_each_batch=self.sync_each_batch)
 
     def all_reduce(self, output: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         """Identity: an SPMD tensor is already global; reduce over a dimension with ``.sum()``/``.mean()``."""

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from types import FrameType
@@ -28,15 +31,27 @@ class NonFiniteLoss(RuntimeError):
     """Training stopped: a step's loss or gradient norm was NaN/inf (``trainer.on_nonfinite=stop``)."""
 
 
+#: The loop warns once when it waited for batches longer than this share of the time since the last log point.
+DATA_BOUND_SHARE = 0.10
+
+
 def fit(cfg: RunConfig) -> Path:
     """Train to ``trainer.max_steps`` (resuming if asked); returns the path of ``last.pth``, or of the checkpoint
-    saved when SIGTERM stopped the run early."""
+    saved when SIGTERM stopped the run early. SIGTERM before the first step is done exits at once (:class:`Preemption`)."""
+    hint = f"Start it again (--trainer.resume auto continues from the newest checkpoint in {cfg.trainer.output_dir})."
+    with Preemption(hint) as preemption:
+        return _train(cfg, preemption, started=time.perf_counter())
+
+
+def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
     setup_runtime(cfg.mesh, cfg.trainer.compile_cache_dir)
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
     resolve_and_check(cfg, xr.global_runtime_device_count())
+    check_start = time.perf_counter()
     data_report = check_data(cfg)  # every data problem at once, before anything is built or compiled (DataError)
+    check_s = time.perf_counter() - check_start
 
     from spmd_rfdetr import checkpoint
     from spmd_rfdetr.build import build_trainer
@@ -45,7 +60,7 @@ def fit(cfg: RunConfig) -> Path:
     from spmd_rfdetr.evaluate import fit_evaluation
     from spmd_rfdetr.fabric import spmd_fabric
     from spmd_rfdetr.mesh import build_mesh
-    from spmd_rfdetr.metrics import MetricsLog, build_loggers
+    from spmd_rfdetr.metrics import MetricsLog, build_loggers, execute_seconds
     from spmd_rfdetr.model import upstream_configs
     from spmd_rfdetr.weights import rfdetr_entries
 
@@ -76,8 +91,9 @@ def fit(cfg: RunConfig) -> Path:
                  ", ".join(f"{size} at step {step}" for size, step in sorted(first.items(), key=lambda kv: kv[1])))
     read_at = max(upstream_scales(cfg.model)) if buckets else cfgs.model.resolution  # the train split's image size
     fabric.strategy.prefetch = d.prefetch
+    fabric.strategy.sync_each_batch = False  # every step mode runs its own programs
     loader = fabric.setup_dataloaders(make_train_loader(train_set, d, read_at, seed=t.seed, start_step=start,
-                                                        host=hosts.this_host(), scales=buckets))
+                                                        host=hosts.batch_share(), scales=buckets))
     spmd_loader = loader._dataloader  # Fabric's wrapper copied the loader's attributes once; its counters live here
 
     resolved = dataclasses.asdict(cfg)
@@ -109,54 +125,79 @@ def fit(cfg: RunConfig) -> Path:
 
     if buckets and step_fn.mode == "replay":
         precompile_buckets(step_fn, buckets, lambda size: spmd_loader.place(
-            blank_batch(d.global_batch_size // hosts.process_count(), size, d.max_targets)))
+            blank_batch(d.global_batch_size // hosts.batch_share()[1], size, d.max_targets, read_at)))
     batches = iter(loader)
     window_start, window_steps, wait_start, nonfinite_seen = time.perf_counter(), 0, spmd_loader.wait_s, 0
-    with Preemption() as preemption:
-        for step in range(start + 1, t.max_steps + 1):
-            stats = step_fn(next(batches))
-            window_steps += 1
-            metrics.after_step(step)
-            eval_now = evaluation is not None and evaluation.due(step, t.max_steps)
-            stop = hosts.any_host(preemption.requested)  # a SIGTERM on one host stops them all at this step
-            save_now = stop or (every > 0 and step % every == 0)
-            if step == start + 1 or step % t.log_every == 0 or step == t.max_steps or eval_now or save_now:
-                values = step_fn.read(stats)
-                xm.wait_device_ops()  # replayed steps run asynchronously: let the counters below see every one finish
-                elapsed = time.perf_counter() - window_start
-                record = {
-                    "step": step,
-                    **values,
-                    "images_per_sec": window_steps * d.global_batch_size / elapsed,
-                    "step_time_s": elapsed / window_steps,
-                    "data_wait_s": spmd_loader.wait_s - wait_start,  # the loop waited for batches
-                    "step_mode": step_fn.mode,
-                    "step_traces": step_fn.traces,  # how often the step's Python ran (replay: 2 per run)
-                }
-                problem = _nonfinite(values, nonfinite_seen, first_in_window=step - window_steps + 1, step=step)
-                nonfinite_seen = int(values["nonfinite_steps"])
-                if problem and t.on_nonfinite == "stop":
-                    metrics.write(record)
-                    metrics.close()
-                    raise NonFiniteLoss(f"{problem}. Training stopped (trainer.on_nonfinite=stop); the newest "
-                                        f"checkpoint in {out / checkpoint.CHECKPOINTS} has finite weights. Lower the "
-                                        "learning rate or check the data, then --trainer.resume auto.")
-                if problem:
-                    log.warning("%s (trainer.on_nonfinite=skip_step)", problem)
-                if eval_now:
-                    record.update(evaluation(step), evaluated_weights=weights)
-                    if evaluation.improved:
-                        save_weights(out / "best.pth", step)
-                        log.info("saved %s (eval/mAP %.4f)", out / "best.pth", evaluation.best_map)
-                if save_now:
-                    saved = save_state(step)
-                metrics.write(record)  # after the save: its own device->host copies are not the next step's
-                if stop:
-                    metrics.close()
-                    print(f"stopped by SIGTERM after step {step}: saved {saved}; continue with --trainer.resume auto",
-                          flush=True)
-                    return saved
-                window_start, window_steps, wait_start = time.perf_counter(), 0, spmd_loader.wait_s
+    executed_start = execute_seconds()
+    ready_s = window_start - started  # start-up: runtime, data check, build, loader, bucket compiles
+    host_s = 0.0  # the loop's own time outside log points, waits for batches included
+    for step in range(start + 1, t.max_steps + 1):
+        iteration_start = time.perf_counter()
+        stats = step_fn(next(batches))
+        window_steps += 1
+        eval_now = evaluation is not None and evaluation.due(step, t.max_steps)
+        stop = hosts.any_host(preemption.requested)  # a SIGTERM on one host stops them all at this step
+        save_now = stop or (every > 0 and step % every == 0)
+        host_s += time.perf_counter() - iteration_start
+        warming_up = step <= start + 2  # replay's two traces: each a log point, so its compiles are told apart
+        if warming_up or step % t.log_every == 0 or step == t.max_steps or eval_now or save_now:
+            metrics.check_counters(first=step - window_steps + 1, last=step)  # at log points only: not per step
+            values = step_fn.read(stats)
+            xm.wait_device_ops()  # replayed steps run asynchronously: let the counters below see every one finish
+            elapsed = time.perf_counter() - window_start
+            waited, executed = spmd_loader.wait_s - wait_start, execute_seconds() - executed_start
+            record = {
+                "step": step,
+                **values,
+                "images_per_sec": window_steps * d.global_batch_size / elapsed,
+                "step_time_s": elapsed / window_steps,
+                "data_wait_s": waited,  # the loop waited for batches
+                # what the host adds per step that graph execution does not hide (benchmarks/: "outside graph
+                # execution"); None where executions overlap it (a TPU runs them while the host traces the next)
+                "outside_execution_s": ((elapsed - waited - executed) / window_steps
+                                        if executed <= elapsed - waited else None),
+                # the host's time per step in the loop, not waiting for batches: the step's dispatch (replay: its
+                # program launched, not run) and the loop's bookkeeping; benchmarks/ times the dispatch alone
+                "host_s": (host_s - waited) / window_steps,
+                "step_mode": step_fn.mode,
+                "step_traces": step_fn.traces,  # how often the step's Python ran (replay: 2 per run)
+            }
+            if step == start + 1:
+                preemption.first_step_done()  # from here SIGTERM saves
+                record["time_to_first_step_s"] = time.perf_counter() - started
+                log.info("step %d done %.1f s after the start (start-up %.1f s, of which the data check %.1f s; "
+                         "the first step %.1f s)", step, record["time_to_first_step_s"], ready_s,
+                         check_s, elapsed)
+            elif not warming_up and record["data_wait_s"] > DATA_BOUND_SHARE * elapsed:
+                metrics.warn_once("data_bound", f"steps {step - window_steps + 1}..{step}: the loop waited for "
+                                  f"batches {record['data_wait_s']:.1f} s of {elapsed:.1f} s: the input pipeline is "
+                                  f"slower than the device. Raise data.num_workers (now {d.num_workers}) or "
+                                  "data.prefetch, or use a host with more cores.")
+            problem = _nonfinite(values, nonfinite_seen, first_in_window=step - window_steps + 1, step=step)
+            nonfinite_seen = int(values["nonfinite_steps"])
+            if problem and t.on_nonfinite == "stop":
+                metrics.write(record)
+                metrics.close()
+                raise NonFiniteLoss(f"{problem}. Training stopped (trainer.on_nonfinite=stop); the newest "
+                                    f"checkpoint in {out / checkpoint.CHECKPOINTS} has finite weights. Lower the "
+                                    "learning rate or check the data, then --trainer.resume auto.")
+            if problem:
+                log.warning("%s (trainer.on_nonfinite=skip_step)", problem)
+            if eval_now:
+                record.update(evaluation(step), evaluated_weights=weights)
+                if evaluation.improved:
+                    save_weights(out / "best.pth", step)
+                    log.info("saved %s (eval/mAP %.4f)", out / "best.pth", evaluation.best_map)
+            if save_now:
+                saved = save_state(step)
+            metrics.write(record)  # after the save: its own device->host copies are not the next step's
+            if stop:
+                metrics.close()
+                print(f"stopped by SIGTERM after step {step}: saved {saved}; continue with --trainer.resume auto",
+                      flush=True)
+                return saved
+            window_start, window_steps, wait_start = time.perf_counter(), 0, spmd_loader.wait_s
+            executed_start, host_s = execute_seconds(), 0.0
 
     metrics.close()
     last = save_weights(out / "last.pth", t.max_steps)
@@ -186,19 +227,55 @@ def _nonfinite(values: dict[str, float], seen: int, *, first_in_window: int, ste
 
 
 class Preemption:
-    """While active, SIGTERM (what a spot/preemptible TPU VM gets) only sets :attr:`requested`: the loop finishes the
-    current step, saves and returns. The previous handler is restored on exit."""
+    """SIGTERM (what a spot/preemptible TPU VM gets, about 30 s before it stops) while ``fit`` runs.
 
-    def __init__(self) -> None:
+    Until :meth:`first_step_done` there is nothing to save (start-up, the data check, the first step's compile, which
+    takes minutes): SIGTERM ends the process at once with a message and exit code 143. That works while XLA compiles
+    too: Python runs signal handlers only between the main thread's bytecodes, so a thread woken by
+    ``signal.set_wakeup_fd`` ends it. After the first step SIGTERM only sets :attr:`requested`: the loop finishes the
+    current step, saves and returns. The previous handler and wakeup fd are restored on exit.
+    """
+
+    EXIT_CODE = 128 + signal.SIGTERM
+
+    def __init__(self, resume_hint: str = "") -> None:
         self.requested = False
+        self.saves = False  # False: SIGTERM exits at once (nothing to save yet)
+        self.resume_hint = resume_hint
+        self._exiting = threading.Lock()
+
+    def first_step_done(self) -> None:
+        """From now on SIGTERM saves a checkpoint after the current step."""
+        self.saves = True
+
+    def _exit_now(self) -> None:
+        if self._exiting.acquire(blocking=False):
+            print(f"SIGTERM before the first step finished: nothing to save, exiting now. {self.resume_hint}",
+                  file=sys.stderr, flush=True)
+            os._exit(self.EXIT_CODE)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self.saves:
+            self._exit_now()
         self.requested = True
         log.warning("SIGTERM received: finishing the current step, then saving a checkpoint")
 
+    def _watch(self, read_fd: int) -> None:
+        """Thread body: wake on every signal byte; SIGTERM before the first step exits even mid-compile."""
+        with open(read_fd, "rb", buffering=0) as wakeups:
+            while data := wakeups.read(64):  # b"": the write end was closed (__exit__)
+                if signal.SIGTERM in data and not self.saves:
+                    self._exit_now()
+
     def __enter__(self) -> Preemption:
         self._previous = signal.signal(signal.SIGTERM, self._handle)
+        read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self._previous_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(read_fd,), name="sigterm-watch", daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        signal.set_wakeup_fd(self._previous_fd)
         signal.signal(signal.SIGTERM, self._previous)
+        os.close(self._write_fd)  # the watcher reads EOF and ends

@@ -32,6 +32,15 @@ def xla_counters() -> dict[str, int]:
     }
 
 
+def execute_seconds() -> float:
+    """Seconds torch_xla has spent executing graphs so far (its ``ExecuteTime``/``ExecuteReplicatedTime`` sums)."""
+    total = 0.0
+    for name in ("ExecuteTime", "ExecuteReplicatedTime"):
+        data = met.metric_data(name)
+        total += float(data[1]) / 1e9 if data else 0.0
+    return total
+
+
 def aten_fallbacks() -> dict[str, int]:
     """Ops that fell back to the CPU (``aten::*`` counters), by name."""
     return {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::") and met.counter_value(n)}
@@ -40,9 +49,10 @@ def aten_fallbacks() -> dict[str, int]:
 class MetricsLog:
     """Appends one JSON object per log point to ``<output_dir>/metrics.jsonl`` and prints a progress line/bar.
 
-    Also watches the counters after every step: a line whenever XLA compiles, and one warning each for a compile and
-    for a device->host transfer outside a log point after ``warmup_steps`` (both cost a TPU dearly; in warm-up the
-    replayed step checks its second trace against the first, which reads the graph's constants once).
+    Also checks the counters at every log point (:meth:`check_counters`): a line whenever XLA compiled, and one
+    warning each for a compile and for a device->host transfer outside a log point after ``warmup_steps`` (both cost
+    a TPU dearly; in warm-up the replayed step checks its second trace against the first, which reads the graph's
+    constants once).
 
     A resumed run (``start_step`` > 0) keeps the records up to ``start_step`` and drops later ones (the interrupted run
     wrote them after its checkpoint; they are trained again), so every step is in the file once. ``loggers`` (Fabric
@@ -66,28 +76,30 @@ class MetricsLog:
         self._compiles_at_last_record = self._seen["xla_compiles"]
         self._warned: set[str] = set()
 
-    def after_step(self, step: int) -> None:
-        """Report new compilations and host transfers made by this step (call before reading anything back)."""
+    def check_counters(self, first: int, last: int) -> None:
+        """At a log point, before its read-back: report the compilations, host transfers and CPU fallbacks of steps
+        ``first..last`` (the counters are read here only, not every step: reading them costs host time)."""
         now = xla_counters()
+        steps = f"step {last}" if first == last else f"steps {first}..{last}"
         new_compiles = now["xla_compiles"] - self._seen["xla_compiles"]
         if new_compiles:
             data = met.metric_data("CompileTime")
             total_s = data[1] / 1e9 if data else float("nan")
-            self._print(f"step {step}: XLA compiled {new_compiles} new graph(s) ({now['xla_compiles']} in total, {total_s:.1f} s compiling so far)")
-            if step > self.warmup_steps:
-                self._warn_once(
+            self._print(f"{steps}: XLA compiled {new_compiles} new graph(s) ({now['xla_compiles']} in total, {total_s:.1f} s compiling so far)")
+            if first > self.warmup_steps:
+                self.warn_once(
                     "recompile",
-                    f"step {step}: XLA compiled a new graph after warm-up; something changed shape or a Python value "
+                    f"{steps}: XLA compiled a new graph after warm-up; something changed shape or a Python value "
                     "baked into the graph changed. Rerun with PT_XLA_DEBUG_LEVEL=2 to print the cause.",
                 )
-        if step > self.warmup_steps and now["xla_transfers_to_host"] > self._seen["xla_transfers_to_host"]:
-            self._warn_once(
+        if first > self.warmup_steps and now["xla_transfers_to_host"] > self._seen["xla_transfers_to_host"]:
+            self.warn_once(
                 "transfer",
-                f"step {step}: {now['xla_transfers_to_host'] - self._seen['xla_transfers_to_host']} device->host "
+                f"{steps}: {now['xla_transfers_to_host'] - self._seen['xla_transfers_to_host']} device->host "
                 "transfer(s) outside a log point; each one stalls the device. Rerun with PT_XLA_DEBUG_LEVEL=2 to see where.",
             )
         if now["xla_aten_fallbacks"] > self._seen["xla_aten_fallbacks"]:
-            self._warn_once("fallback", f"step {step}: ops fell back to the CPU: {aten_fallbacks()}")
+            self.warn_once("fallback", f"{steps}: ops fell back to the CPU: {aten_fallbacks()}")
         self._seen = now
 
     def write(self, record: dict[str, Any]) -> None:
@@ -129,7 +141,8 @@ class MetricsLog:
                      len(lines) - len(kept), step)
         self.path.write_text("".join(line + "\n" for line in kept))
 
-    def _warn_once(self, kind: str, message: str) -> None:
+    def warn_once(self, kind: str, message: str) -> None:
+        """Log ``message`` as a warning the first time ``kind`` happens in this run."""
         if kind not in self._warned:
             self._warned.add(kind)
             log.warning(message)

@@ -155,3 +155,59 @@ def test_a_nan_step_stops_fit_or_is_skipped(tiny, synth_dir: str, loop_run: Path
     assert records[4]["loss"] != records[4]["loss"] and all(r["loss"] == r["loss"] for i, r in enumerate(records) if i != 4)
     host = read_training_checkpoint(saved)
     assert all(torch.isfinite(t).all() for k, t in host.items() if k.startswith(("model.", "ema.")))
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_first_compile_exits_at_once(tmp_path: Path):
+    """A spot VM gets ~30 s of notice and the first compile takes minutes: a real SIGTERM sent once XLA has started
+    compiling the first step (its GSPMD line is printed as the partitioner runs) ends the process before that compile
+    finishes, with the message and exit code 143, and nothing written: no step was trained, so nothing is saved.
+    (Before this, the handler waited for the step to end and saved a checkpoint of step 1.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import LOOP_MODEL, ROOT
+
+    from spmd_rfdetr.synth import synth
+
+    synth(str(tmp_path / "data"), train_images=8, valid_images=1, test_images=0, image_size=64)
+    out = tmp_path / "out"
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+    model = [f"--model.{k}={v}" for k, v in (("resolution", LOOP_MODEL.resolution), ("dec_layers", LOOP_MODEL.dec_layers),
+                                             ("backbone_blocks", LOOP_MODEL.backbone_blocks))]
+    proc = subprocess.Popen([sys.executable, "-m", "spmd_rfdetr", "fit", "--config", str(ROOT / "configs/cpu.yaml"),
+                             "--data.dataset_dir", str(tmp_path / "data"), "--trainer.output_dir", str(out), *model,
+                             "--trainer.max_steps", "2", "--eval.every_steps", "0", "--data.num_workers", "0"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:  # type: ignore[union-attr]
+        lines.append(line)
+        if "sharding_propagation" in line:  # the first step's program is being compiled
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.communicate(timeout=120)[0]
+    log = "".join(lines) + rest
+    assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
+    assert "SIGTERM before the first step finished: nothing to save, exiting now" in log, log[-3000:]
+    assert "XLA compiled" not in log and "step 1/" not in log, log[-3000:]  # the compile did not finish
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_a_save_slower_than_the_preemption_notice_warns(tmp_path: Path, monkeypatch, caplog):
+    """A real save (torch.distributed.checkpoint files) that takes longer than ``SLOW_SAVE_S`` says so, naming the
+    ~30 s notice; a quick one does not."""
+    import logging
+
+    from spmd_rfdetr import checkpoint
+
+    state = {"model.w": torch.arange(6.0).reshape(2, 3)}
+    with caplog.at_level(logging.INFO, logger="spmd_rfdetr.checkpoint"):
+        checkpoint.save(tmp_path, 1, state, {}, keep=2)
+        assert "saved" in caplog.text and "saving took" not in caplog.text
+        monkeypatch.setattr(checkpoint, "SLOW_SAVE_S", 0.2)
+        monkeypatch.setenv("SPMD_RFDETR_TEST_PAUSE_BEFORE_PUBLISH_S", "0.3")  # the save itself lasts longer
+        checkpoint.save(tmp_path, 2, state, {}, keep=2)
+    assert "more than 0.2 s: a preempted spot VM gets about 30 s of notice" in caplog.text, caplog.text
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]

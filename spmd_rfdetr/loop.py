@@ -76,7 +76,7 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
     check_overflow(train_set, d, "train")
     hosts.check_same_on_all_hosts(f"{d.dataset_dir}: the number of usable train images", len(train_set))
     trainer = build_trainer(fabric, cfgs, cfg.optim, t, ema=cfg.model, mesh=cfg.mesh)
-    net, step_fn = trainer.model, trainer.step
+    step_fn = trainer.step
     resume_from = checkpoint.latest(out) if t.resume == "auto" else t.resume
     meta = checkpoint.load(resume_from, checkpoint.training_state(trainer)) if resume_from else {"step": 0}
     start = meta["step"]

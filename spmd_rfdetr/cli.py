@@ -292,6 +292,24 @@ class _Parser(ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
+def _run_config(
+    model: ModelOptions = ModelOptions(),
+    data: DataOptions = DataOptions(),
+    optim: OptimOptions = OptimOptions(),
+    mesh: MeshOptions = MeshOptions(),
+    trainer: TrainerOptions = TrainerOptions(),
+    eval: EvalOptions = EvalOptions(),
+    checkpointing: CheckpointOptions = CheckpointOptions(),
+) -> RunConfig:
+    return RunConfig(model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing)
+
+
+def run_config(args: list[str]) -> RunConfig:
+    """``fit``'s options (``--config`` YAML, ``--section.field=value``) read by this CLI's own parser: what
+    :func:`spmd_rfdetr.train` runs. Raises ``ArgumentError`` naming a bad option."""
+    return CLI(_run_config, args=args, as_positional=False, parser_class=_Parser)
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``python -m spmd_rfdetr`` and the ``spmd-rfdetr`` script (see the module docstring for errors)."""
     argv = list(sys.argv[1:] if args is None else args)

@@ -159,7 +159,11 @@ class TrainerOptions:
     output_dir: str = "output"
     """Where ``metrics.jsonl``, ``config.yaml`` and checkpoints go."""
     max_steps: int = 1000
-    """Optimizer steps to run."""
+    """Optimizer steps to run (``epochs``, when set, decides it instead)."""
+    epochs: float | None = None
+    """Passes over the train split, as rfdetr counts training: when set, ``max_steps`` becomes ``epochs`` x (usable
+    train images // ``data.global_batch_size``), fixed at the start of the run (the LR schedule, the last step and
+    ``eval.every_steps`` then count in those steps; a resume recomputes the same number)."""
     log_every: int = 50
     """Read the loss back from the device every N steps (the only host syncs of the loop)."""
     precision: Precision = "bf16"

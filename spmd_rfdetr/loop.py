@@ -75,6 +75,10 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
     train_set = data_report.usable(build_split(cfgs, "train"), "train")  # less the images data.on_bad=skip leaves out
     check_overflow(train_set, d, "train")
     hosts.check_same_on_all_hosts(f"{d.dataset_dir}: the number of usable train images", len(train_set))
+    if t.epochs is not None:  # rfdetr's unit: whole passes over the train split (the last partial batch dropped)
+        t.max_steps = max(1, round(t.epochs * (len(train_set) // d.global_batch_size)))
+        log.info("trainer.epochs=%g: %d steps of %d images over %d train images", t.epochs, t.max_steps,
+                 d.global_batch_size, len(train_set))
     trainer = build_trainer(fabric, cfgs, cfg.optim, t, ema=cfg.model, mesh=cfg.mesh)
     step_fn = trainer.step
     resume_from = checkpoint.latest(out) if t.resume == "auto" else t.resume

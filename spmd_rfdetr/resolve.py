@@ -78,6 +78,8 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
         logging.getLogger(__name__).info("data.num_workers=auto: %d DataLoader workers", d.num_workers)
     elif not isinstance(d.num_workers, int) or d.num_workers < 0:
         problems.append(f"data.num_workers={d.num_workers!r} must be >= 0 or auto")
+    if cfg.trainer.epochs is not None and not cfg.trainer.epochs > 0:
+        problems.append(f"trainer.epochs={cfg.trainer.epochs} must be > 0 (or unset: trainer.max_steps counts)")
     c = cfg.checkpointing
     lower_bounds = [  # (field, value, smallest allowed value, what a value at the bound means)
         ("data.global_batch_size", d.global_batch_size, 1, ""),

@@ -94,8 +94,8 @@ class TrainStep:
             ``tensors()`` are part of the step's state.
         ema: updated inside the program after the optimizer (:class:`~spmd_rfdetr.ema.DeviceEMA`), or ``None``.
         accumulate: micro-batches per optimizer step, run one after the other inside the program (gradients add up;
-            every micro-batch's losses are normalised by the whole batch's box count, as rfdetr's accumulation does,
-            so the update equals one step on the whole batch). The batch must divide into ``batch_shards`` x this.
+            every micro-batch's losses are normalised by the whole batch's box count, so the update equals one step
+            on the whole batch; rfdetr's detectors normalise each micro-batch by its own count, then divide by K). The batch must divide into ``batch_shards`` x this.
         batch_shards: how many shards the batch dimension is split into on the mesh; micro-batch ``i`` takes rows
             ``i`` of every shard, so splitting never moves data between devices.
         full_graph: ``False`` allows host syncs inside the step (``trainer.matcher=scipy``); it implies ``trace``.

@@ -1,0 +1,82 @@
+"""One call to train, in rfdetr's words: ``spmd_rfdetr.train(variant="nano", dataset_dir=..., epochs=...)``.
+
+The same path as ``python -m spmd_rfdetr fit``: the arguments become that command's options (rfdetr's names mapped to
+ours, :data:`UPSTREAM_NAMES`), parsed and checked by the CLI's own parser, then ``fit`` runs in this process. Options
+without an rfdetr name go in ``options`` with the CLI's dotted names (``{"trainer.precision": "bf16"}``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: rfdetr's ``train(...)`` argument -> our option.
+UPSTREAM_NAMES = {
+    "dataset_dir": "data.dataset_dir",
+    "batch_size": "data.per_device_batch_size",  # rfdetr's is per device (per GPU) too
+    "lr": "optim.lr",
+    "lr_encoder": "optim.lr_encoder",
+    "weight_decay": "optim.weight_decay",
+    "output_dir": "trainer.output_dir",
+    "resolution": "model.resolution",
+    "num_classes": "model.num_classes",
+    "pretrain_weights": "model.pretrain_weights",
+    "use_ema": "model.ema",
+    "ema_decay": "model.ema_decay",
+    "num_workers": "data.num_workers",
+    "warmup_steps": "optim.warmup_steps",
+    "seed": "trainer.seed",
+    "resume": "trainer.resume",
+}
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` made: the weight file and the last record of ``metrics.jsonl`` (eval metrics included when
+    the run evaluated at its last step)."""
+
+    weights: Path
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def train(variant: str = "nano", *, config: str | None = None, epochs: float | None = None,
+          max_steps: int | None = None, options: dict[str, Any] | None = None, **upstream: Any) -> TrainResult:
+    """Train RF-DETR ``variant`` on the device mesh of this process, as ``fit`` does; returns a :class:`TrainResult`.
+
+    Args:
+        variant: ``nano``, ``small``, ``medium``, ``large`` or ``base`` (rfdetr's ``RFDETRNano`` ...).
+        config: a YAML recipe (``configs/v5e.yaml`` ...) the other arguments override.
+        epochs: passes over the train split (``trainer.epochs``); or
+        max_steps: optimizer steps (``trainer.max_steps``); neither: the config's.
+        options: any other option by its CLI name, e.g. ``{"eval.every_steps": 100, "mesh.cpu_devices": 4}``.
+        **upstream: rfdetr's argument names (:data:`UPSTREAM_NAMES`), e.g. ``dataset_dir``, ``batch_size``, ``lr``.
+
+    Raises ``ConfigError``/``DataError``/``FileNotFoundError`` with the CLI's messages (before anything compiles).
+    """
+    from spmd_rfdetr.cli import run_config
+    from spmd_rfdetr.config import ConfigError
+    from spmd_rfdetr.loop import fit
+
+    unknown = sorted(set(upstream) - set(UPSTREAM_NAMES))
+    if unknown:
+        raise ConfigError(f"train(): unknown argument(s) {', '.join(unknown)}; rfdetr's names accepted here: "
+                          f"{', '.join(UPSTREAM_NAMES)}; any other option goes in options={{'section.field': value}}")
+    if epochs is not None and max_steps is not None:
+        raise ConfigError("train(): give epochs or max_steps, not both")
+    values = {"model.variant": variant, **{UPSTREAM_NAMES[k]: v for k, v in upstream.items()}, **(options or {})}
+    if max_steps is not None:
+        values["trainer.max_steps"] = max_steps
+    if epochs is not None:
+        values["trainer.epochs"] = epochs
+    argv = (["--config", config] if config else []) + [f"--{key}={_cli_value(value)}" for key, value in values.items()]
+    cfg = run_config(argv)
+    weights = fit(cfg)
+    records = Path(cfg.trainer.output_dir) / "metrics.jsonl"
+    lines = records.read_text().splitlines() if records.exists() else []
+    return TrainResult(Path(weights), json.loads(lines[-1]) if lines else {})
+
+
+def _cli_value(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (bool, list, dict)) or value is None else str(value)

@@ -8,6 +8,7 @@ without an rfdetr name go in ``options`` with the CLI's dotted names (``{"traine
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,9 @@ def train(variant: str = "nano", *, config: str | None = None, epochs: float | N
 
     Raises ``ConfigError``/``DataError``/``FileNotFoundError`` with the CLI's messages (before anything compiles).
     """
-    from spmd_rfdetr.cli import run_config
+    from spmd_rfdetr.cli import LOG_FORMAT, run_config
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # the CLI's log lines (a no-op if logging is set up)
     from spmd_rfdetr.config import ConfigError
     from spmd_rfdetr.loop import fit
 

@@ -282,6 +282,7 @@ def export(
 #: Errors the user fixes in the config, the data or a path: one message and exit status 2.
 USER_ERRORS = (ConfigError, checks.DataError, FileNotFoundError, ArgumentError)
 DEBUG_ENV = "SPMD_RFDETR_DEBUG"
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 
 class _Parser(ArgumentParser):
@@ -315,7 +316,7 @@ def main(args: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if args is None else args)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "0") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     verbs = {"fit": fit, "check-data": check_data, "validate": validate, "predict": predict, "export": export,
              "synth": synth, "plan": plan, "aot": aot}
     try:

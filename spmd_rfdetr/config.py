@@ -228,6 +228,16 @@ class EvalOptions:
     max_dets: int = 500
     """Detections per image COCO scores (pycocotools' largest ``maxDets``): upstream's training eval scores at its
     ``eval_max_dets``, 500; 100 gives pycocotools' and the COCO leaderboard's figures."""
+    early_stopping: bool = False
+    """Inside ``fit``: stop when mAP has not improved by ``early_stopping_min_delta`` for
+    ``early_stopping_patience`` evaluations in a row (rfdetr's ``early_stopping``, counted in evaluations as its
+    Lightning callback counts validation epochs); ``last.pth`` is then written at that step. It watches the weights
+    ``fit`` evaluates (EMA with ``model.ema``): rfdetr evaluates both and watches the better one (its
+    ``early_stopping_use_ema`` picks the EMA's)."""
+    early_stopping_patience: int = 10
+    """Evaluations without improvement before early stopping stops (rfdetr's default: 10)."""
+    early_stopping_min_delta: float = 0.001
+    """The mAP gain that counts as an improvement (rfdetr's default: 0.001)."""
 
 
 @dataclass

@@ -342,10 +342,30 @@ class FitEvaluation:
     best_map: float = -math.inf
     improved: bool = False
     history: list[dict[str, float]] = field(default_factory=list)
+    patience: int = 0
+    """Early stopping: evaluations without an improvement of ``min_delta`` before :attr:`should_stop` (0: never)."""
+    min_delta: float = 0.0
+    stopping_best: float = -math.inf  # the mAP early stopping compares with (moves only by more than min_delta)
+    stale: int = 0  # evaluations in a row without such an improvement
 
     def due(self, step: int, max_steps: int) -> bool:
         """Whether ``step`` is an evaluation step."""
         return self.every_steps > 0 and (step % self.every_steps == 0 or step == max_steps)
+
+    @property
+    def should_stop(self) -> bool:
+        """Early stopping's verdict after the latest evaluation (a NaN mAP never counts as an improvement)."""
+        return self.patience > 0 and self.stale >= self.patience
+
+    def state(self) -> dict[str, float]:
+        """What a checkpoint keeps so a resumed run continues the same counts."""
+        return {"best_map": self.best_map, "stopping_best": self.stopping_best, "stale": self.stale}
+
+    def restore(self, meta: dict[str, Any]) -> None:
+        """Continue from a checkpoint's :meth:`state` (keys missing in older checkpoints keep their defaults)."""
+        for key in ("best_map", "stopping_best", "stale"):
+            if meta.get(key) is not None:
+                setattr(self, key, meta[key])
 
     def __call__(self, step: int) -> dict[str, float]:
         """Evaluate now; returns the ``eval/*`` record and sets :attr:`improved` (save ``best.pth`` when True)."""
@@ -358,6 +378,10 @@ class FitEvaluation:
         self.improved = record["eval/mAP"] > self.best_map
         if self.improved:
             self.best_map = record["eval/mAP"]
+        if record["eval/mAP"] - self.min_delta > self.stopping_best:  # Lightning's EarlyStopping rule, mode max
+            self.stopping_best, self.stale = record["eval/mAP"], 0
+        else:
+            self.stale += 1
         record["eval/best_mAP"] = self.best_map
         self.history.append({"step": step, **record})
         return record
@@ -369,8 +393,11 @@ def fit_evaluation(cfg: RunConfig, cfgs: Any, model: torch.nn.Module, fabric: An
         return None
     from spmd_rfdetr.data import build_split
 
-    evaluator = evaluator_for(cfg, cfgs, model, fabric, build_split(cfgs, cfg.eval.split))
-    return FitEvaluation(evaluator, cfg.eval.every_steps, Path(cfg.trainer.output_dir), cfg.eval.save_detections)
+    e = cfg.eval
+    evaluator = evaluator_for(cfg, cfgs, model, fabric, build_split(cfgs, e.split))
+    return FitEvaluation(evaluator, e.every_steps, Path(cfg.trainer.output_dir), e.save_detections,
+                         patience=e.early_stopping_patience if e.early_stopping else 0,
+                         min_delta=e.early_stopping_min_delta)
 
 
 def eval_sizes(cfg: RunConfig, cfgs: Any) -> tuple[int, int]:

@@ -118,14 +118,14 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
                          loggers=build_loggers(t.loggers, out) if coordinator else [])
     evaluation = fit_evaluation(cfg, cfgs, trainer.inference_model, fabric)  # None if off
     if evaluation is not None:
-        evaluation.best_map = meta.get("best_map", evaluation.best_map)
+        evaluation.restore(meta)  # best mAP and early stopping's counts, as the checkpoint left them
     weights = "ema" if trainer.ema is not None else "raw"
     every = cfg.checkpointing.every_steps
 
     def save_state(step: int) -> Path:
-        best = evaluation.best_map if evaluation is not None else None
+        kept = evaluation.state() if evaluation is not None else {"best_map": None}
         state = checkpoint.training_state(trainer)
-        return checkpoint.save(out, step, state, {"best_map": best, "config": resolved}, cfg.checkpointing.keep)
+        return checkpoint.save(out, step, state, {**kept, "config": resolved}, cfg.checkpointing.keep)
 
     if buckets and step_fn.mode == "replay":
         precompile_buckets(step_fn, buckets, lambda size: spmd_loader.place(
@@ -192,6 +192,13 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
                 if evaluation.improved:
                     save_weights(out / "best.pth", step)
                     log.info("saved %s (eval/mAP %.4f)", out / "best.pth", evaluation.best_map)
+                if evaluation.should_stop:
+                    log.info("early stopping at step %d: eval/mAP has not improved by %g for %d evaluations (best "
+                             "%.4f)", step, cfg.eval.early_stopping_min_delta, evaluation.stale, evaluation.best_map)
+                    record["early_stopped"] = True
+                    metrics.write(record)
+                    last_step = step
+                    break
             if save_now:
                 saved = save_state(step)
             metrics.write(record)  # after the save: its own device->host copies are not the next step's
@@ -203,8 +210,10 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
             window_start, window_steps, wait_start = time.perf_counter(), 0, spmd_loader.wait_s
             executed_start, host_s = execute_seconds(), 0.0
 
+    else:
+        last_step = t.max_steps
     metrics.close()
-    last = save_weights(out / "last.pth", t.max_steps)
+    last = save_weights(out / "last.pth", last_step)
     log.info("saved %s (%s weights)", last, weights)
     return last
 

@@ -80,6 +80,11 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
         problems.append(f"data.num_workers={d.num_workers!r} must be >= 0 or auto")
     if cfg.trainer.epochs is not None and not cfg.trainer.epochs > 0:
         problems.append(f"trainer.epochs={cfg.trainer.epochs} must be > 0 (or unset: trainer.max_steps counts)")
+    e = cfg.eval
+    if e.early_stopping and e.every_steps <= 0:
+        problems.append("eval.early_stopping needs evaluations: set eval.every_steps > 0")
+    if e.early_stopping and e.early_stopping_patience < 1:
+        problems.append(f"eval.early_stopping_patience={e.early_stopping_patience} must be >= 1")
     c = cfg.checkpointing
     lower_bounds = [  # (field, value, smallest allowed value, what a value at the bound means)
         ("data.global_batch_size", d.global_batch_size, 1, ""),

@@ -8,16 +8,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from conftest import LOOP_MODEL, ROOT
 from jobs import JobInputs, job_fixture
 
-#: The loop model, half an epoch of the session's 32 train images at rfdetr's per-device batch of 2 on 4 devices.
+#: The loop model, one epoch of the session's 32 train images at rfdetr's per-device batch of 2 on 4 devices (4 steps),
+#: evaluated every step with early stopping that no mAP gain can satisfy (min_delta 1): it stops at the second eval.
 TRAIN = r"""
 import json, sys
 import spmd_rfdetr
-result = spmd_rfdetr.train("nano", dataset_dir=sys.argv[1], output_dir=sys.argv[2], epochs=0.5, batch_size=2,
+result = spmd_rfdetr.train("nano", dataset_dir=sys.argv[1], output_dir=sys.argv[2], epochs=1, batch_size=2,
                            lr=4e-4, options=json.loads(sys.argv[3]))
 print("RESULT", json.dumps({"weights": str(result.weights), "metrics": result.metrics}))
 """
@@ -28,7 +30,8 @@ def api_train(inputs: JobInputs, out: Path) -> tuple[subprocess.CompletedProcess
     options = {"model.resolution": LOOP_MODEL.resolution, "model.dec_layers": LOOP_MODEL.dec_layers,
                "model.backbone_blocks": LOOP_MODEL.backbone_blocks, "model.num_queries": LOOP_MODEL.num_queries,
                "model.group_detr": LOOP_MODEL.group_detr, "data.max_targets": 8, "data.num_workers": 0,
-               "trainer.precision": "fp32", "eval.every_steps": 0}
+               "trainer.precision": "fp32", "eval.every_steps": 1, "eval.early_stopping": True,
+               "eval.early_stopping_patience": 1, "eval.early_stopping_min_delta": 1.0}
     env = {**inputs.env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
     result = subprocess.run([sys.executable, "-c", TRAIN, inputs.synth_dir, str(out), json.dumps(options)], cwd=ROOT,
                             env=env, text=True, capture_output=True, timeout=900)
@@ -36,18 +39,22 @@ def api_train(inputs: JobInputs, out: Path) -> tuple[subprocess.CompletedProcess
 
 
 @pytest.mark.slow
-def test_train_runs_epochs_and_returns_the_weight_file(api_train, synth_dir):
-    """A user's script: ``import spmd_rfdetr; spmd_rfdetr.train(...)`` with rfdetr's argument names trains the steps
-    its epochs make (0.5 x 32 images // (2 per device x 4 devices) = 2) and returns ``last.pth`` and the last record."""
+def test_train_runs_epochs_stops_early_and_returns_the_weight_file(api_train, synth_dir):
+    """A user's script: ``import spmd_rfdetr; spmd_rfdetr.train(...)`` with rfdetr's argument names sizes the run by
+    its epochs (1 x 32 images // (2 per device x 4 devices) = 4 steps), stops early at the second evaluation (patience
+    1, an improvement of 1.0 mAP required) and returns that step's ``last.pth`` and the last record."""
     proc, out = api_train
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert Path(result["weights"]) == out / "last.pth" and (out / "last.pth").is_file()
-    assert result["metrics"]["step"] == 2 and result["metrics"]["loss"] > 0, result
+    assert result["metrics"]["step"] == 2 and result["metrics"]["early_stopped"] is True, result
+    assert "eval/mAP" in result["metrics"] and result["metrics"]["loss"] > 0
+    assert torch.load(out / "last.pth", weights_only=False)["step"] == 2
     resolved = yaml.safe_load((out / "config.yaml").read_text())
-    assert resolved["trainer"]["epochs"] == 0.5 and resolved["trainer"]["max_steps"] == 2
+    assert resolved["trainer"]["epochs"] == 1 and resolved["trainer"]["max_steps"] == 4
     assert resolved["data"]["global_batch_size"] == 8 and resolved["optim"]["lr"] == 4e-4
-    assert "trainer.epochs=0.5: 2 steps of 8 images over 32 train images" in proc.stderr
+    assert "trainer.epochs=1: 4 steps of 8 images over 32 train images" in proc.stderr
+    assert "early stopping at step 2: eval/mAP has not improved by 1 for 1 evaluations" in proc.stderr
 
 
 def test_train_names_an_unknown_argument_and_what_to_use_instead():

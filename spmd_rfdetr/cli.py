@@ -7,6 +7,7 @@ A run stopped by a non-finite loss (``trainer.on_nonfinite=stop``) leaves with o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -15,7 +16,7 @@ from argparse import ArgumentError
 from pathlib import Path
 from typing import Any
 
-from jsonargparse import CLI, ArgumentParser, set_parsing_settings
+from jsonargparse import CLI, ActionConfigFile, ArgumentParser, set_parsing_settings
 
 from spmd_rfdetr import checks, hosts, loop
 from spmd_rfdetr.aot.check import AotFailed, DoesNotFit
@@ -293,22 +294,14 @@ class _Parser(ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def _run_config(
-    model: ModelOptions = ModelOptions(),
-    data: DataOptions = DataOptions(),
-    optim: OptimOptions = OptimOptions(),
-    mesh: MeshOptions = MeshOptions(),
-    trainer: TrainerOptions = TrainerOptions(),
-    eval: EvalOptions = EvalOptions(),
-    checkpointing: CheckpointOptions = CheckpointOptions(),
-) -> RunConfig:
-    return RunConfig(model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing)
-
-
 def run_config(args: list[str]) -> RunConfig:
-    """``fit``'s options (``--config`` YAML, ``--section.field=value``) read by this CLI's own parser: what
-    :func:`spmd_rfdetr.train` runs. Raises ``ArgumentError`` naming a bad option."""
-    return CLI(_run_config, args=args, as_positional=False, parser_class=_Parser)
+    """``fit``'s options (``--config`` YAML, ``--section.field=value``) read by the parser the CLI builds from
+    :func:`fit`'s signature, without running it: what :func:`spmd_rfdetr.train` runs. Raises ``ArgumentError``."""
+    parser = _Parser()
+    parser.add_argument("--config", action=ActionConfigFile)
+    parser.add_function_arguments(fit, as_positional=False)
+    parsed = parser.instantiate_classes(parser.parse_args(args))
+    return RunConfig(**{f.name: parsed[f.name] for f in dataclasses.fields(RunConfig)})
 
 
 def main(args: list[str] | None = None) -> None:

@@ -43,7 +43,8 @@ class TrainResult:
 
 
 def train(variant: str = "nano", *, config: str | None = None, epochs: float | None = None,
-          max_steps: int | None = None, options: dict[str, Any] | None = None, **upstream: Any) -> TrainResult:
+          max_steps: int | None = None, options: dict[str, Any] | None = None, verbose: bool = False,
+          **upstream: Any) -> TrainResult:
     """Train RF-DETR ``variant`` on the device mesh of this process, as ``fit`` does; returns a :class:`TrainResult`.
 
     Args:
@@ -52,10 +53,17 @@ def train(variant: str = "nano", *, config: str | None = None, epochs: float | N
         epochs: passes over the train split (``trainer.epochs``); or
         max_steps: optimizer steps (``trainer.max_steps``); neither: the config's.
         options: any other option by its CLI name, e.g. ``{"eval.every_steps": 100, "mesh.cpu_devices": 4}``.
-        **upstream: rfdetr's argument names (:data:`UPSTREAM_NAMES`), e.g. ``dataset_dir``, ``batch_size``, ``lr``.
+        verbose: show the XLA, torch and rfdetr warnings left out by default (the CLI's ``--verbose``,
+            :mod:`spmd_rfdetr.quiet`).
+        **upstream: rfdetr's argument names (:data:`UPSTREAM_NAMES`), e.g. ``dataset_dir``, ``batch_size``, ``lr``;
+            ``pretrain_weights`` as the CLI's (default ``"auto"``: the variant's published weights, as rfdetr's
+            ``RFDETRNano()`` fine-tunes; ``None``: from scratch).
 
     Raises ``ConfigError``/``DataError``/``FileNotFoundError`` with the CLI's messages (before anything compiles).
     """
+    from spmd_rfdetr import quiet
+
+    quiet.configure(verbose)  # before torch_xla and rfdetr are imported, as the CLI does
     from spmd_rfdetr.cli import LOG_FORMAT, run_config
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # the CLI's log lines (a no-op if logging is set up)

@@ -1,7 +1,7 @@
 """The data check: every problem in the annotations and images of the splits a run reads, before XLA compiles anything.
 
 ``python -m spmd_rfdetr check-data --config ...`` runs it alone; ``fit`` runs it right after the config check (the
-train split, and ``eval.split`` when ``eval.every_steps > 0``), ``validate`` on ``eval.split`` and ``predict`` on its
+train split, and ``eval.split`` when ``fit`` evaluates), ``validate`` on ``eval.split`` and ``predict`` on its
 image folder. All findings are reported at once, grouped by kind with the fix, then a summary per split; any finding
 that ``data.on_bad=skip`` does not cover raises :class:`DataError` (the CLI exits 2).
 
@@ -37,6 +37,7 @@ from tqdm import tqdm
 from spmd_rfdetr import check_cache, hosts
 from spmd_rfdetr.config import ConfigError, RunConfig
 from spmd_rfdetr.dataset_files import Entry, Finding, SplitData, inspect_image, layout_of, read_split
+from spmd_rfdetr.resolve import evaluates_in_fit
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ class DataReport:
 
 def fit_splits(cfg: RunConfig) -> list[str]:
     """The splits ``fit`` reads: train, and ``eval.split`` when evaluation is on."""
-    evaluates = cfg.eval.every_steps > 0 and cfg.eval.split != "train"
+    evaluates = evaluates_in_fit(cfg) and cfg.eval.split != "train"
     return ["train", cfg.eval.split] if evaluates else ["train"]
 
 

@@ -2,6 +2,8 @@
 
 Every config, data and path error (and every command-line parse error) leaves as one message on stderr with exit
 status 2 and no traceback; ``--debug`` anywhere on the command line (or ``SPMD_RFDETR_DEBUG=1``) adds the traceback.
+Warnings that do not apply to a run of ours (XLA's, torch's and rfdetr's) are left out (:mod:`spmd_rfdetr.quiet`);
+``--verbose`` anywhere on the command line (or ``SPMD_RFDETR_VERBOSE=1``) shows them.
 A run stopped by a non-finite loss (``trainer.on_nonfinite=stop``) leaves with one message and exit status 3.
 """
 
@@ -18,7 +20,7 @@ from typing import Any
 
 from jsonargparse import CLI, ActionConfigFile, ArgumentParser, set_parsing_settings
 
-from spmd_rfdetr import checks, hosts, loop
+from spmd_rfdetr import checks, hosts, loop, quiet
 from spmd_rfdetr.aot.check import AotFailed, DoesNotFit
 from spmd_rfdetr.loop import NonFiniteLoss
 from spmd_rfdetr.config import (
@@ -72,7 +74,7 @@ def check_data(
     eval: EvalOptions = EvalOptions(),
     checkpointing: CheckpointOptions = CheckpointOptions(),
 ) -> None:
-    """Check the config and the dataset splits ``fit`` would read (train, and eval.split when eval.every_steps > 0),
+    """Check the config and the dataset splits ``fit`` would read (train, and eval.split when fit evaluates),
     without starting XLA: every problem at once, each with its file, annotation and fix (what ``fit`` checks first).
 
     Args:
@@ -81,7 +83,7 @@ def check_data(
         optim: Checked as ``fit`` checks it.
         mesh: Checked as ``fit`` checks it (without a device count).
         trainer: Checked as ``fit`` checks it.
-        eval: ``every_steps`` and ``split``: which eval split is checked too.
+        eval: ``every_steps``/``every_epochs`` and ``split``: which eval split is checked too.
         checkpointing: Accepted so a training config can be passed as is.
     """
     cfg = RunConfig(
@@ -308,7 +310,8 @@ def main(args: list[str] | None = None) -> None:
     """Entry point of ``python -m spmd_rfdetr`` and the ``spmd-rfdetr`` script (see the module docstring for errors)."""
     argv = list(sys.argv[1:] if args is None else args)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "0") not in ("", "0")
-    argv = [a for a in argv if a != "--debug"]
+    quiet.configure(verbose="--verbose" in argv)  # before torch_xla and rfdetr are imported
+    argv = [a for a in argv if a not in ("--debug", "--verbose")]
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     verbs = {"fit": fit, "check-data": check_data, "validate": validate, "predict": predict, "export": export,
              "synth": synth, "plan": plan, "aot": aot}

@@ -33,11 +33,13 @@ class ModelOptions:
     decoder. No published weights fit it, and upstream rfdetr cannot rebuild it from a weight file."""
     num_classes: int | None = None
     """Number of classes; ``None`` reads it from the dataset."""
-    pretrain_weights: str | None = None
-    """RF-DETR checkpoint to start from (``None``: from scratch): a local ``.pth`` (rfdetr's or a ``fit`` weight
-    file), or a published rfdetr name such as ``rf-detr-nano.pth``, which rfdetr downloads into its cache
-    (``$RF_HOME``, default ``~/.roboflow/models``) unless it is there already. A class head of another size is resized
-    to ``num_classes`` by rfdetr's own loader."""
+    pretrain_weights: str | None = "auto"
+    """RF-DETR checkpoint to fine-tune from. ``auto``: the variant's published COCO weights, as upstream (the default
+    of rfdetr's config class: ``rf-detr-nano.pth`` for Nano ...); a published rfdetr name such as ``rf-detr-nano.pth``
+    is downloaded by rfdetr into its cache (``$RF_HOME``, default ``~/.roboflow/models``) unless it is there already,
+    and ``fit`` stops before anything compiles if it cannot be; or a local ``.pth`` (rfdetr's or a ``fit`` weight
+    file), e.g. that file copied to a machine without internet; ``null``: from scratch. A class head of another size
+    is resized to ``num_classes`` by rfdetr's own loader."""
     ema: bool = True
     """Keep an exponential moving average of the weights inside the compiled step (upstream's trainer's EMA, on by
     default as upstream). Evaluation, ``best.pth``, ``last.pth`` and exports then use the EMA weights."""
@@ -214,30 +216,47 @@ class EvalOptions:
 
     every_steps: int = 0
     """Inside ``fit``: evaluate every N optimizer steps and after the last one, keeping the best weights by mAP as
-    ``best.pth``; 0 turns evaluation inside ``fit`` off."""
+    ``best.pth``; 0 turns evaluation inside ``fit`` off (unless ``every_epochs`` is set)."""
+    every_epochs: float | None = None
+    """Inside ``fit``: evaluate every N passes over the train split instead, as rfdetr's ``eval_interval`` counts:
+    converted once at the start to ``round(N x steps per epoch)`` steps (at least 1), with the steps per epoch
+    ``trainer.epochs`` uses (usable train images // ``data.global_batch_size``); a resume converts it the same way.
+    Set it or ``every_steps``, not both (``every_steps: 0`` with it)."""
     split: Literal["valid", "test", "train"] = "valid"
     """Dataset split to evaluate."""
     global_batch_size: int | None = None
     """Images per eval batch over the whole mesh (the last batch is padded to it); ``None`` uses
     ``data.global_batch_size``. Must divide by the batch axes (``mesh.data x mesh.fsdp`` devices)."""
     num_select: int | None = None
-    """Detections kept per image (top-k over queries x classes, as rfdetr's PostProcess); ``None`` keeps rfdetr's
-    default for the model (its ``num_select``)."""
+    """Detections kept per image (top-k over queries x classes, as rfdetr's PostProcess); at most the logits the model
+    outputs, ``num_queries x (num_classes + 1)``. ``None``: rfdetr's default for the variant (its ``num_select``, 300),
+    lowered to that many logits when the model has fewer (a small ``num_queries``)."""
     save_detections: bool = False
     """Inside ``fit``: also write each evaluation's detections (COCO results JSON) next to its metrics."""
     max_dets: int = 500
     """Detections per image COCO scores (pycocotools' largest ``maxDets``): upstream's training eval scores at its
     ``eval_max_dets``, 500; 100 gives pycocotools' and the COCO leaderboard's figures."""
+    base_model: bool = False
+    """Inside ``fit`` with ``model.ema``: also evaluate the raw (non-EMA) weights at every evaluation, as rfdetr's
+    ``eval_base_model`` does: a second pass over the eval split (its time again, and a second COCO scoring; no new
+    compile: the same eval program runs on the raw weights), logged as ``eval/raw_mAP`` ... beside the EMA's
+    ``eval/mAP``. Only early stopping reads it (``early_stopping_use_ema``); ``best.pth``, ``eval/best_mAP`` and
+    ``last.pth`` stay the EMA's. Without ``model.ema`` it does nothing (the raw weights are the evaluated ones)."""
     early_stopping: bool = False
-    """Inside ``fit``: stop when mAP has not improved by ``early_stopping_min_delta`` for
+    """Inside ``fit``: stop when the watched mAP has not improved by ``early_stopping_min_delta`` for
     ``early_stopping_patience`` evaluations in a row (rfdetr's ``early_stopping``, counted in evaluations as its
-    Lightning callback counts validation epochs); ``last.pth`` is then written at that step. It watches the weights
-    ``fit`` evaluates (EMA with ``model.ema``): rfdetr evaluates both and watches the better one (its
-    ``early_stopping_use_ema`` picks the EMA's)."""
+    Lightning callback counts validation epochs); ``last.pth`` is then written at that step. It watches ``eval/mAP``
+    (the EMA's with ``model.ema``), or the better of the raw and EMA mAP with ``base_model`` and
+    ``early_stopping_use_ema: false``, as rfdetr 1.11."""
     early_stopping_patience: int = 10
     """Evaluations without improvement before early stopping stops (rfdetr's default: 10)."""
     early_stopping_min_delta: float = 0.001
     """The mAP gain that counts as an improvement (rfdetr's default: 0.001)."""
+    early_stopping_use_ema: bool = False
+    """rfdetr's ``early_stopping_use_ema``: ``true`` watches the EMA's mAP alone; ``false`` (rfdetr's default) the
+    better of the raw and EMA mAP when both are evaluated (``base_model`` with ``model.ema``). As in rfdetr 1.11,
+    whose validation evaluates only the EMA weights unless ``eval_base_model``, both values watch the EMA's mAP
+    otherwise, and without ``model.ema`` the raw weights' (the only ones evaluated)."""
 
 
 @dataclass
@@ -275,3 +294,27 @@ def variant_defaults(variant: str) -> dict[str, int]:
 
     fields = getattr(rfdetr.config, VARIANT_CONFIGS[variant]).model_fields
     return {name: fields[name].default for name in ("patch_size", "num_windows", "resolution", "num_queries")}
+
+
+#: ``model.pretrain_weights`` default: the variant's published weights (:func:`published_weights`).
+AUTO_WEIGHTS = "auto"
+
+
+def published_weights(variant: str) -> str:
+    """The file name of ``variant``'s published COCO weights, as rfdetr's config class defaults its
+    ``pretrain_weights`` (``rf-detr-nano.pth`` ...): what ``model.pretrain_weights: auto`` means."""
+    import rfdetr.config
+
+    return str(getattr(rfdetr.config, VARIANT_CONFIGS[variant]).model_fields["pretrain_weights"].default)
+
+
+def resolved_weights(model: ModelOptions) -> str | None:
+    """``model.pretrain_weights`` with ``auto`` replaced by the variant's published file name."""
+    weights = model.pretrain_weights
+    return published_weights(model.variant) if weights == AUTO_WEIGHTS else weights
+
+
+def logit_count(num_queries: int, num_classes: int) -> int:
+    """Logits per image the model outputs at inference: one query group, ``num_classes + 1`` logits per query
+    (rfdetr's class head has one more than the classes): the most detections its PostProcess can select."""
+    return num_queries * (num_classes + 1)

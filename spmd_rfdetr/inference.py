@@ -56,7 +56,7 @@ def load_for_inference(cfg: RunConfig, checkpoint: str) -> tuple[RunConfig, Any,
 
     num_classes = cfg.model.num_classes or num_classes_in(cfg.data.dataset_dir)
     fabric = spmd_fabric(build_mesh(cfg.mesh.data, cfg.mesh.fsdp), precision=PRECISIONS[cfg.trainer.precision])
-    cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, num_classes)
+    cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, num_classes, cfg.eval.num_select)
     net = build_model(cfgs)  # an rfdetr checkpoint is loaded here, by rfdetr (cfg.model.pretrain_weights)
     if saved.kind != "rfdetr":
         net.load_state_dict(saved.state_dict)

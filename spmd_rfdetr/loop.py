@@ -1,4 +1,24 @@
-"""``fit``: config -> mesh + Fabric -> static sharded batches -> rfdetr model -> one compiled step -> log/checkpoint."""
+"""``fit``: config -> mesh + Fabric -> static sharded batches -> rfdetr model -> one compiled step -> log/checkpoint.
+
+Long runs:
+- Preemption: SIGTERM (what a spot/preemptible TPU VM gets before it goes) finishes the step in flight, saves a full
+  checkpoint (:mod:`spmd_rfdetr.checkpoint`) and exits 0 with one line: ``stopped by SIGTERM after step N: saved ...``.
+- Resume (``trainer.resume``: ``auto``, the newest complete checkpoint in ``output_dir`` or else a fresh start; or a
+  path): the data order continues exactly, since the batch of each step is a pure function of ``trainer.seed`` and
+  the step (a seeded permutation per epoch, every sample's augmentations seeded from (seed, epoch, index):
+  :mod:`spmd_rfdetr.data`), whatever ``num_workers`` is. ``metrics.jsonl`` drops the records the interrupted run wrote
+  after its checkpoint, so every step is there once. Tested: a real SIGTERM, a SIGKILL inside a save, two resumes:
+  every step is logged once, the steps after each resume equal the uninterrupted run's (<= 1e-6), and the resumed
+  step is replayed after its one compile. Later steps are not compared on the CPU mesh: XLA's CPU client itself
+  computes a gradient an ulp apart now and then between two identical runs (no resume involved), and the test fit's
+  large learning rate amplifies that chaotically (measured 2e-5 by step 40 in one pair, 4e-4 by step 13 in another).
+  ``pytest -m tpu`` checks a resumed fit bit for bit on a chip.
+- Non-finite steps (:mod:`spmd_rfdetr.step` keeps their weights unchanged): ``trainer.on_nonfinite=stop`` stops at the
+  next log or checkpoint point naming the steps (exit status 3; the newest checkpoint has finite weights);
+  ``skip_step`` goes on and counts them (``nonfinite_steps``). Tested with a real NaN batch at step 5 of a real
+  ``fit`` (fault injection: ``SPMD_RFDETR_TEST_NAN_BATCH=5``).
+- ``fit``'s own host time per step is measured against the benchmark's in ``benchmarks/README.md``.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +38,8 @@ import yaml
 from spmd_rfdetr import hosts
 from spmd_rfdetr.checks import check_data
 from spmd_rfdetr.config import RunConfig
-from spmd_rfdetr.resolve import multi_scale_buckets, resolve_and_check, upstream_scales
+from spmd_rfdetr.resolve import (eval_every_steps, fetch_pretrain_weights, multi_scale_buckets, resolve_and_check,
+                                 steps_per_epoch, upstream_scales)
 from spmd_rfdetr.runtime import PRECISIONS, setup_runtime
 
 if TYPE_CHECKING:
@@ -49,12 +70,13 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
     import torch_xla.runtime as xr
 
     resolve_and_check(cfg, xr.global_runtime_device_count())
+    fetch_pretrain_weights(cfg.model)  # on disk (downloaded now if published) or one ConfigError, before any compile
     check_start = time.perf_counter()
     data_report = check_data(cfg)  # every data problem at once, before anything is built or compiled (DataError)
     check_s = time.perf_counter() - check_start
 
     from spmd_rfdetr import checkpoint
-    from spmd_rfdetr.build import build_trainer
+    from spmd_rfdetr.build import build_trainer, unwrap
     from spmd_rfdetr.data import (blank_batch, build_split, check_overflow, class_names, first_uses, make_train_loader,
                                   num_classes_in)
     from spmd_rfdetr.evaluate import fit_evaluation
@@ -71,12 +93,12 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
     fabric.seed_everything(t.seed)
 
     num_classes = cfg.model.num_classes or num_classes_in(d.dataset_dir)
-    cfgs = upstream_configs(cfg.model, d, cfg.optim, num_classes)
+    cfgs = upstream_configs(cfg.model, d, cfg.optim, num_classes, cfg.eval.num_select)
     train_set = data_report.usable(build_split(cfgs, "train"), "train")  # less the images data.on_bad=skip leaves out
     check_overflow(train_set, d, "train")
     hosts.check_same_on_all_hosts(f"{d.dataset_dir}: the number of usable train images", len(train_set))
     if t.epochs is not None:  # rfdetr's unit: whole passes over the train split (the last partial batch dropped)
-        t.max_steps = max(1, round(t.epochs * (len(train_set) // d.global_batch_size)))
+        t.max_steps = max(1, round(t.epochs * steps_per_epoch(cfg, len(train_set))))
         log.info("trainer.epochs=%g: %d steps of %d images over %d train images", t.epochs, t.max_steps,
                  d.global_batch_size, len(train_set))
     trainer = build_trainer(fabric, cfgs, cfg.optim, t, ema=cfg.model, mesh=cfg.mesh)
@@ -116,9 +138,18 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
     coordinator = hosts.is_coordinator()  # several hosts: host 0 writes the shared files
     metrics = MetricsLog(out, t.max_steps, t.progress_bar, warmup, start_step=start, writes_file=coordinator,
                          loggers=build_loggers(t.loggers, out) if coordinator else [])
-    evaluation = fit_evaluation(cfg, cfgs, trainer.inference_model, fabric)  # None if off
+    eval_every = eval_every_steps(cfg, len(train_set))
+    if cfg.eval.every_epochs is not None:
+        log.info("eval.every_epochs=%g: an evaluation every %d steps (%d steps per epoch)", cfg.eval.every_epochs,
+                 eval_every, steps_per_epoch(cfg, len(train_set)))
+    raw = unwrap(trainer.model) if trainer.ema is not None and cfg.eval.base_model else None  # rfdetr's eval_base_model
+    evaluation = fit_evaluation(cfg, cfgs, trainer.inference_model, fabric, eval_every, raw)  # None if off
     if evaluation is not None:
         evaluation.restore(meta)  # best mAP and early stopping's counts, as the checkpoint left them
+        if resume_from:
+            log.info("resumed the evaluation state: best eval/mAP %g; early stopping watches %s: best %g, %d "
+                     "evaluation(s) without improvement", evaluation.best_map, evaluation.watched,
+                     evaluation.stopping_best, evaluation.stale)
     weights = "ema" if trainer.ema is not None else "raw"
     every = cfg.checkpointing.every_steps
 
@@ -193,8 +224,9 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
                     save_weights(out / "best.pth", step)
                     log.info("saved %s (eval/mAP %.4f)", out / "best.pth", evaluation.best_map)
                 if evaluation.should_stop:
-                    log.info("early stopping at step %d: eval/mAP has not improved by %g for %d evaluations (best "
-                             "%.4f)", step, cfg.eval.early_stopping_min_delta, evaluation.stale, evaluation.best_map)
+                    log.info("early stopping at step %d: %s has not improved by %g for %d evaluations (best "
+                             "%.4f)", step, evaluation.watched, cfg.eval.early_stopping_min_delta, evaluation.stale,
+                             evaluation.stopping_best)
                     record["early_stopped"] = True
                     metrics.write(record)
                     last_step = step

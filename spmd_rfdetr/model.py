@@ -26,7 +26,9 @@ from rfdetr.models.postprocess import PostProcess
 from rfdetr.models.weights import load_pretrain_weights
 from rfdetr.training.param_groups import get_param_dict
 
-from spmd_rfdetr.config import VARIANT_CONFIGS, DataOptions, ModelOptions, OptimOptions
+from spmd_rfdetr.config import (VARIANT_CONFIGS, ConfigError, DataOptions, ModelOptions, OptimOptions, logit_count,
+                                resolved_weights)
+from spmd_rfdetr.resolve import num_select_problem
 from spmd_rfdetr import xla_safe
 
 #: rfdetr's model config class per ``model.variant`` (names in :data:`spmd_rfdetr.config.VARIANT_CONFIGS`).
@@ -49,26 +51,41 @@ class UpstreamConfigs:
         return _namespace_from_configs(self.model, self.train)
 
 
-def upstream_configs(model: ModelOptions, data: DataOptions, optim: OptimOptions, num_classes: int) -> UpstreamConfigs:
-    """Translate our options into rfdetr's ``ModelConfig`` + ``TrainConfig`` (unset fields keep rfdetr's defaults)."""
+def upstream_configs(model: ModelOptions, data: DataOptions, optim: OptimOptions, num_classes: int,
+                     num_select: int | None = None) -> UpstreamConfigs:
+    """Translate our options into rfdetr's ``ModelConfig`` + ``TrainConfig`` (unset fields keep rfdetr's defaults).
+
+    ``model.pretrain_weights: auto`` becomes the variant's published weights (:func:`~spmd_rfdetr.config.
+    resolved_weights`). ``num_select`` (``eval.num_select``) is the detections per image of the model's PostProcess;
+    ``None``: rfdetr's default for the variant, at most the logits the model outputs. A ``num_select`` above that
+    raises :class:`ConfigError`.
+    """
     overrides = {
         k: v
         for k, v in {
             "resolution": model.resolution,
             "num_queries": model.num_queries,
-            "num_select": model.num_queries,
             "group_detr": model.group_detr,
             "dec_layers": model.dec_layers,
         }.items()
         if v is not None
     }
+    fields = VARIANTS[model.variant].model_fields
+    queries = model.num_queries if model.num_queries is not None else fields["num_queries"].default
+    if num_select is None:  # PostProcess's top-k keeps at most the logits there are: record what it really keeps
+        overrides["num_select"] = min(fields["num_select"].default, logit_count(queries, num_classes))
+    else:
+        problem = num_select_problem(num_select, queries, num_classes)
+        if problem:
+            raise ConfigError(f"invalid configuration:\n  - {problem}")
+        overrides["num_select"] = num_select
     if model.backbone_blocks is not None:  # the last blocks feed the decoder, as many as the variant's (or all)
         outputs = len(VARIANTS[model.variant].model_fields["out_feature_indexes"].default)
         overrides["out_feature_indexes"] = list(range(1, model.backbone_blocks + 1))[-outputs:]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*pretrain_weights=None.*")
+    with warnings.catch_warnings():  # rfdetr's from-scratch warning: fit says it its own way (fetch_pretrain_weights),
+        warnings.filterwarnings("ignore", message=".*pretrain_weights=None.*")  # and inference loads a weight file
         model_cfg = VARIANTS[model.variant](
-            pretrain_weights=model.pretrain_weights, num_classes=num_classes, device="cpu", **overrides
+            pretrain_weights=resolved_weights(model), num_classes=num_classes, device="cpu", **overrides
         )
     train_cfg = rfdetr_config.TrainConfig(
         dataset_dir=data.dataset_dir,

@@ -7,7 +7,8 @@ import logging
 import os
 import sys
 
-from spmd_rfdetr.config import RunConfig, ModelOptions, ConfigError, variant_defaults
+from spmd_rfdetr.config import (AUTO_WEIGHTS, ConfigError, ModelOptions, RunConfig, logit_count, published_weights,
+                                resolved_weights, variant_defaults)
 
 _warned: set[str] = set()  # warnings resolve_and_check has given in this process (each is given once)
 
@@ -81,8 +82,13 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
     if cfg.trainer.epochs is not None and not cfg.trainer.epochs > 0:
         problems.append(f"trainer.epochs={cfg.trainer.epochs} must be > 0 (or unset: trainer.max_steps counts)")
     e = cfg.eval
-    if e.early_stopping and e.every_steps <= 0:
-        problems.append("eval.early_stopping needs evaluations: set eval.every_steps > 0")
+    if e.every_epochs is not None and e.every_steps != 0:
+        problems.append(f"eval.every_steps={e.every_steps} and eval.every_epochs={e.every_epochs} are both set: "
+                        "evaluate in steps or in epochs (eval.every_steps: 0 with eval.every_epochs)")
+    if e.every_epochs is not None and not e.every_epochs > 0:
+        problems.append(f"eval.every_epochs={e.every_epochs} must be > 0 (or unset: eval.every_steps counts)")
+    if e.early_stopping and not evaluates_in_fit(cfg):
+        problems.append("eval.early_stopping needs evaluations: set eval.every_steps > 0 or eval.every_epochs")
     if e.early_stopping and e.early_stopping_patience < 1:
         problems.append(f"eval.early_stopping_patience={e.early_stopping_patience} must be >= 1")
     c = cfg.checkpointing
@@ -99,6 +105,7 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
     ]
     problems += [f"{name}={value} must be >= {low}{meaning}" for name, value, low, meaning in lower_bounds if value < low]
     problems += _model_problems(cfg)
+    cfg.model.pretrain_weights = resolved_weights(cfg.model)  # auto: the variant's published file, as config.yaml says
     problems += _scale_problems(cfg)
     mesh_ok = cfg.mesh.data == -1 or cfg.mesh.data >= 1
     if not mesh_ok:
@@ -146,6 +153,13 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
         problems.append(f"eval.every_steps={e.every_steps} must be >= 0 (0 = no evaluation inside fit)")
     if e.num_select is not None and e.num_select < 1:
         problems.append(f"eval.num_select={e.num_select} must be >= 1")
+    elif e.num_select is not None and cfg.model.num_classes is not None:  # else read from the dataset, and
+        m = cfg.model  # upstream_configs checks it when the model is built (before anything compiles)
+        queries = m.num_queries if m.num_queries is not None else variant_defaults(m.variant)["num_queries"]
+        problem = num_select_problem(e.num_select, queries, m.num_classes) if queries >= 1 and m.num_classes >= 1 \
+            else None
+        if problem:
+            problems.append(problem)
     if e.global_batch_size is not None and e.global_batch_size < 1:
         problems.append(f"eval.global_batch_size={e.global_batch_size} must be >= 1")
     elif e.global_batch_size is not None and device_count is not None and mesh_ok:
@@ -156,6 +170,80 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
             )
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def num_select_problem(num_select: int, num_queries: int, num_classes: int) -> str | None:
+    """Why ``eval.num_select`` cannot be used with this many queries and classes (``None``: it can)."""
+    limit = logit_count(num_queries, num_classes)
+    if num_select <= limit:
+        return None
+    return (f"eval.num_select={num_select} is more than the {limit} logits the model outputs per image (its "
+            f"{num_queries} queries x (num_classes {num_classes} + 1)): use at most {limit}, or leave it unset")
+
+
+def fetch_pretrain_weights(model: ModelOptions) -> None:
+    """``fit``'s starting weights, settled before anything is built or compiled: from scratch (said once, here), a
+    file on disk, or one of rfdetr's published weights, which rfdetr downloads now into its cache (``$RF_HOME``,
+    default ``~/.roboflow/models``). Raises one :class:`ConfigError` saying how to go on when the file is not there
+    and cannot be downloaded (offline, a failed download, an unknown name)."""
+    weights = resolved_weights(model)
+    published = published_weights(model.variant)
+    if weights is None:
+        _warn_once(f"model.pretrain_weights: null: training from scratch (no COCO-pretrained weights); fine-tuning "
+                   f"from the published {published} (model.pretrain_weights: auto, the default) usually converges "
+                   "far faster")
+        return
+    from rfdetr.assets.model_weights import ModelWeights, download_pretrain_weights, get_model_cache_dir
+    from rfdetr.config import ModelConfig
+
+    path = str(ModelConfig.expand_path(weights))  # where rfdetr's loader reads it: a bare name is in its cache
+    if os.path.isfile(path):
+        return
+    name = os.path.basename(path)
+    given = f"model.pretrain_weights={model.pretrain_weights}"
+    if model.pretrain_weights == AUTO_WEIGHTS:
+        given += f" (model.variant={model.variant}'s published weights, {published})"
+    elif weights == published:  # auto, resolved by resolve_and_check, or that name given
+        given += f" (model.variant={model.variant}'s published weights)"
+    local = (f"pass a local copy: --model.pretrain_weights /path/to/{name} (or model.pretrain_weights in the YAML "
+             "config); or model.pretrain_weights: null (--model.pretrain_weights null) to train from scratch")
+    asset = ModelWeights.from_filename(name)
+    if asset is None:
+        raise ConfigError(f"{given}: no such file ({path}), and not one of rfdetr's published weights "
+                          f"({', '.join(ModelWeights.list_models())}): {local}")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        download_pretrain_weights(path)
+    except Exception as error:  # offline, a proxy, HTTP errors, an MD5 mismatch, an unwritable cache: all one message
+        reason = f"{type(error).__name__}: {error}"
+    else:
+        if os.path.isfile(path):
+            return
+        reason = "no file was written"
+    reason = reason if len(reason) <= 300 else reason[:300] + " ..."
+    raise ConfigError(
+        f"{given}: {path} is not there and rfdetr could not download it from {asset.url} ({reason}). Download "
+        f"{name} on a machine with internet and copy it into rfdetr's cache ($RF_HOME, here {get_model_cache_dir()}),"
+        f" or {local}"
+    )
+
+
+def evaluates_in_fit(cfg: RunConfig) -> bool:
+    """Whether ``fit`` evaluates (``eval.every_steps`` > 0 or ``eval.every_epochs`` set)."""
+    return cfg.eval.every_steps > 0 or cfg.eval.every_epochs is not None
+
+
+def steps_per_epoch(cfg: RunConfig, train_images: int) -> int:
+    """Optimizer steps per pass over ``train_images`` usable train images, as rfdetr counts an epoch (the last partial
+    batch dropped): what ``trainer.epochs`` and ``eval.every_epochs`` are converted with."""
+    return train_images // cfg.data.global_batch_size
+
+
+def eval_every_steps(cfg: RunConfig, train_images: int) -> int:
+    """``fit``'s evaluation interval in steps: ``eval.every_steps``, or ``eval.every_epochs`` converted (at least 1)."""
+    if cfg.eval.every_epochs is None:
+        return cfg.eval.every_steps
+    return max(1, round(cfg.eval.every_epochs * steps_per_epoch(cfg, train_images)))
 
 
 def upstream_scales(model: ModelOptions) -> list[int]:
@@ -215,7 +303,11 @@ def _model_problems(cfg: RunConfig) -> list[str]:
         value = getattr(m, name)
         if value is not None and value < 1:
             problems.append(f"model.{name}={value} must be >= 1")
-    if m.backbone_blocks is not None and m.pretrain_weights is not None:
-        problems.append(f"model.backbone_blocks={m.backbone_blocks} builds a backbone no published weights fit: "
-                        "leave it unset to start from model.pretrain_weights")
+    if m.backbone_blocks is not None and m.backbone_blocks >= 1 and m.pretrain_weights is not None:
+        weights = m.pretrain_weights if m.pretrain_weights != AUTO_WEIGHTS else \
+            f"{AUTO_WEIGHTS} (the default: {published_weights(m.variant)})"
+        problems.append(f"model.backbone_blocks={m.backbone_blocks} builds a backbone no published weights fit, but "
+                        f"model.pretrain_weights={weights} starts from weights: set model.pretrain_weights: null "
+                        "(--model.pretrain_weights null) to train it from scratch, or leave model.backbone_blocks "
+                        "unset")
     return problems

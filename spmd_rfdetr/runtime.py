@@ -1,5 +1,12 @@
 """Process set-up shared by every verb (``fit``, ``validate``, ``predict``): the PJRT device, SPMD, the persistent
-compilation cache, precision names."""
+compilation cache, precision names.
+
+The persistent compilation cache (``trainer.compile_cache_dir``, default ``~/.cache/spmd_rfdetr/xla``) is on for TPUs:
+a restarted or resumed run loads its graphs instead of compiling them (``xla_cache_loads``/``xla_cache_misses`` in
+``metrics.jsonl``; ``pytest -m tpu`` checks a second run misses nothing). It is off on the XLA CPU backend, where
+torch_xla 2.9 cannot read its own entries back (``PersistentCacheDeserializeFailure``). With several hosts, host 0
+writes new entries and the others open the cache read-only.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ from pathlib import Path
 
 from spmd_rfdetr.config import MeshOptions
 from spmd_rfdetr.hosts import is_coordinator, join_hosts
+from spmd_rfdetr.quiet import xla_note
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +30,7 @@ def setup_runtime(mesh: MeshOptions, compile_cache_dir: str | None = None) -> st
     if mesh.cpu_devices is not None and "PJRT_DEVICE" not in os.environ:
         os.environ["PJRT_DEVICE"] = "CPU"
         os.environ["CPU_NUM_DEVICES"] = str(mesh.cpu_devices)
+    xla_note()  # once: the XLA warnings quiet.configure hid (GSPMD's deprecation notice, at every compile)
     import torch_xla.runtime as xr
 
     if not xr.is_spmd():

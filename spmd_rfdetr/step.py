@@ -12,6 +12,32 @@ of silently cutting the graph. A third mode:
 - ``openxla`` (``trainer.compile_backend=openxla``): ``torch.compile(backend="openxla")`` with the bridge fix of
   :mod:`spmd_rfdetr.openxla_fix` (without it torch_xla 2.9 gives stale weight gradients under SPMD). Dynamo splits the
   step at ``backward()`` and wherever it cannot trace, so it runs several programs per step.
+
+Whatever changes per step lives on the device, so one replayed program serves every step: the AdamW step count
+(capturable AdamW, its state created on the device before the first step, so a fresh ``fit`` compiles the step once),
+the learning rates and the schedule's position (``DeviceLRSchedule``: warm-up + cosine computed on the device), the
+EMA's update counter, the RNG seed (advanced per replay, as the dynamo bridge does). With multi-scale buckets compiled
+before step 1 (:mod:`spmd_rfdetr.data`), the replay check runs at step 1. ``trainer.matcher=scipy`` always traces (its
+solve goes through the host).
+
+Why replay and not ``openxla`` by default: dynamo cuts the step at ``backward()`` and around the device matcher's
+``While`` loop, so a step runs about 30 programs on the tiny CPU config instead of 1 (``benchmarks/README.md``), and
+without :mod:`spmd_rfdetr.openxla_fix` it returns stale weight gradients under SPMD (pytorch/xla#4824). Evaluation uses
+``openxla``, where inference is correct without the fix. With ``openxla`` training, the EMA update and the non-finite
+guard run as one small lazy graph after dynamo's graphs: inside dynamo's post-optimizer graph torch_xla 2.9 failed at
+step 1 with "async operation in flight" on the EMA tensors. ``tests/test_openxla.py``: gradients equal eager; RF-DETR's
+``fit`` gives the replay run's losses.
+
+Non-finite steps: a step whose loss or gradient norm is NaN/inf changes no weight and no optimizer state, selected on
+the device (no host read); the loop sees it at the next log or checkpoint point (:mod:`spmd_rfdetr.loop`).
+
+Gradient accumulation (``optim.accumulate=K``): the global batch runs as K micro-batches one after another inside the
+one program; each micro-batch takes the same rows of every device's shard, so nothing moves between devices, and the
+activation memory is that of one micro-batch. Every micro-batch's losses are normalised by the whole batch's box
+count, so the update is exactly the whole batch's (tested: loss, gradient norm, gradients and weights equal to 1e-5
+with K = 2): K changes the memory, not the update. rfdetr 1.11.2 differs: its detection models use Lightning's
+automatic optimisation, where each micro-batch is normalised by its own box count and the sum divided by K, so a
+micro-batch with few boxes weighs as much as one with many (only its keypoint models take the whole window's count).
 """
 
 from __future__ import annotations

@@ -5,6 +5,14 @@ A ``fit`` weight file is a ``torch.load`` dict ``{"model": state_dict, "config":
 "step", "class_names" (absent in older files), "ema" (when EMA was on)}``; ``model`` holds the weights to infer with
 (the EMA weights when EMA was on). An rfdetr checkpoint is ``{"model": state_dict, "args": ..., ["model_config",
 "model_name"]}`` and loads through rfdetr's own ``load_pretrain_weights``.
+
+A ``fit`` weight file also carries rfdetr's own checkpoint entries (:func:`rfdetr_entries`: ``model_name``,
+``model_config``, ``args`` with the class names), so upstream rfdetr loads it (``tests/test_interop.py``):
+``torch.load(..., weights_only=True)`` works, ``RFDETR.from_checkpoint("best.pth")`` rebuilds the architecture and
+names the classes, and ``RFDETRNano(pretrain_weights="best.pth", num_classes=..., resolution=..., num_queries=...,
+group_detr=..., dec_layers=..., num_select=...)`` works with the values of its ``config["model"]`` and, for
+``num_select`` (an eval setting here, ``eval.num_select``), ``model_config["num_select"]``. Their ``predict`` gives our
+``predict``'s boxes, scores and labels (to 1e-4, tested in a process without torch_xla).
 """
 
 from __future__ import annotations
@@ -109,6 +117,8 @@ def inference_config(cfg: RunConfig, saved: SavedWeights) -> RunConfig:
     elif saved.kind == "rfdetr":
         _from_rfdetr_checkpoint(out.model, saved)
         out.model.pretrain_weights = str(saved.path)
+    else:  # a bare state dict, loaded over the built model: no start point to load (or download) first
+        out.model.pretrain_weights = None
     if out.model.num_classes is None:
         out.model.num_classes = saved.num_classes
     return out

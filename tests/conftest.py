@@ -2,6 +2,29 @@
 
 SPMD is process-global in torch_xla, so it is switched on once, here, before any XLA tensor exists. Tests that need a
 different device count or no SPMD run a subprocess.
+
+What the suite checks: sharding specs; parity of our step with upstream rfdetr's own step (eager CPU: loss and
+gradients at step 1, then 4 more steps within :func:`parity_tolerance`; on the same XLA device with the same
+capturable AdamW: 1e-5 at steps 1-2); EMA against upstream's ``AveragedModel``; the TPU compiler's verdict on the tiny
+step for v5e:2x2 (``test_aot.py``: it compiles, donates the training state, runs no collective inside a loop, divides
+its FLOPs over the chips, does not grow with the batch, has no float64 input; an over-large program exits 2);
+torch_xla counters; the solver against SciPy; the CLI in subprocesses (a fit preempted by a real SIGTERM and a SIGKILL
+inside a save, resumed twice; 8 devices with FSDP: the same losses; two processes of one gloo group each replaying the
+step as alone); the LR schedule against rfdetr's own; every config error; the data formats and overflow policies;
+replay against lazy tracing (``test_replay.py``: same losses, 2 Python traces, one compile, a baked Python value
+caught); openxla training against eager and against the replay fit (``test_openxla.py``); prefetch counted by loader
+events (``test_fabric.py``); bf16 convolutions and matrix products in the README script's compiled step
+(``test_readme.py``). ``pytest -m tpu`` on a TPU VM runs the seed's Phase 2a smoke checklist and a preempted fit
+resumed bit for bit on the chip.
+
+How it fits on 2 cores: the suite's subprocesses (CLI fits, the TPU compiler, upstream's step in a child, the benchmark
+and README scripts, two gloo hosts) run as background jobs beside the in-process tests (``jobs.py``: both cores stay
+busy, one thread per process, up to 17 GB of memory in use); the tests of the training loop (preemption and resume,
+step modes, non-finite steps, 8 devices, openxla, multi-scale buckets, the benchmark report, several hosts) train
+:data:`LOOP_MODEL`, RF-DETR Nano with one DINOv2 block and one decoder layer at 64 px (``model.backbone_blocks``),
+while parity with upstream, EMA, accumulation, evaluation and interop use the 12-block :data:`TINY_MODEL`; XLA's CPU
+code generator runs without LLVM optimisation (:data:`CPU_XLA_FLAGS`: compiles 2-3x faster, steps 1.8x slower); the
+fits and the fresh-weights steps are made once per session and read by several tests.
 """
 import glob
 import os
@@ -63,7 +86,8 @@ from jobs import JOBS, Background, JobInputs, job_fixture, jobs_of  # noqa: E402
 from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions, RunConfig, TrainerOptions  # noqa: E402
 
 # The one tiny RF-DETR every in-process test compiles (graphs are shared within the process: keep shapes identical).
-TINY_MODEL = ModelOptions(resolution=128, num_queries=30, group_detr=2, dec_layers=2)
+#: From scratch (``pretrain_weights=None``, as every model the suite builds): the suite downloads nothing.
+TINY_MODEL = ModelOptions(resolution=128, num_queries=30, group_detr=2, dec_layers=2, pretrain_weights=None)
 TINY_BATCH = 8
 TINY_MAX_TARGETS = 8
 #: The session's ``fit`` (fixture ``fit_run``): 40 steps through LR warm-up into cosine, evaluating every 20.
@@ -78,9 +102,13 @@ FIT_STEPS, EVAL_EVERY, FIT_WARMUP = 40, 20, 5
 #: (the likely cause) each program picks its own subgradient. Measured 2026-12-02, accumulate=2 against the whole
 #: batch on XLA: losses equal to 1e-7, gradients equal except ``refpoint_embed``'s, 11-19% apart on 4 of its 5
 #: batches (eager CPU: equal to 6e-8).
-LOOP_MODEL = ModelOptions(resolution=64, num_queries=30, group_detr=2, dec_layers=1, backbone_blocks=1)
+LOOP_MODEL = ModelOptions(resolution=64, num_queries=30, group_detr=2, dec_layers=1, backbone_blocks=1,
+                          pretrain_weights=None)
 #: The loop fit's steps: through warm-up into cosine, and three checkpoint intervals of 8 for the preempted run.
 LOOP_STEPS = 24
+#: The preempted run's evaluations: every 0.6 epochs (``eval.every_epochs``) of the loop fit's 40 train images in
+#: batches of 8 (5 steps per epoch), so every 3 steps, the first one before its SIGTERM.
+PREEMPTED_EVAL_EPOCHS, PREEMPTED_EVAL_EVERY = 0.6, 3
 
 
 def job_order(item: pytest.Item) -> int:
@@ -328,6 +356,37 @@ def read_metrics(out: Path) -> list[dict]:
     return records
 
 
+#: What a default (not ``--verbose``) run of ours must not print (``spmd_rfdetr.quiet``): XLA's GSPMD deprecation
+#: notice (at every compile; here at most once), any Python warning (``file:line: SomeWarning: ...``: torch's TF32
+#: notice, rfdetr's augmentation notice), rfdetr's DINOv2 notes and pycocotools' progress prints.
+NOISE = {
+    "GSPMD notice": r"GSPMD sharding propagation is going to be deprecated",
+    "Python warning": r"^\S+:\d+: \w*Warning: ",
+    "DINOv2 note": r"which means we're not loading DINOv2 backbone weights",
+    "pycocotools print": r"^(loading annotations into memory\.\.\.|index created!)$",
+}
+#: The one line a quiet run prints instead of XLA's warnings (``quiet.xla_note``).
+XLA_NOTE = "XLA's C++ warnings are hidden"
+
+
+def noise(log: str) -> dict[str, list[str]]:
+    """The lines of ``log`` that :data:`NOISE` names, by kind (kinds with none left out)."""
+    import re
+
+    found = {kind: [line for line in log.splitlines() if re.search(pattern, line)] for kind, pattern in NOISE.items()}
+    return {kind: lines for kind, lines in found.items() if lines}
+
+
+def assert_quiet(log: str) -> None:
+    """A default run's output: no :data:`NOISE` beyond one GSPMD notice, and :data:`XLA_NOTE` once (unless the session
+    set a ``TF_CPP_MIN_LOG_LEVEL`` of its own: this process's torch_xla import set 1, which runs override)."""
+    found = noise(log)
+    gspmd = found.pop("GSPMD notice", [])
+    assert len(gspmd) <= 1 and not found, {"GSPMD notice": gspmd, **found}
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1") == "1":
+        assert log.count(XLA_NOTE) == 1, log[-3000:]
+
+
 @contextlib.contextmanager
 def sigterm_after(out: Path, step: int) -> Iterator[None]:
     """A real SIGTERM to this process once ``out``'s metrics have logged ``step`` (a watcher thread sends it): an
@@ -389,14 +448,18 @@ class PreemptedRun:
 
 @job_fixture
 def preempted_run(inputs: JobInputs, base: Path) -> PreemptedRun:
-    """``fit`` as a user runs it, on the loop fit's config (a checkpoint every 8 steps, keep 2): a real SIGTERM once
-    step 3 is logged (the step in flight finishes, its state is saved, exit 0); resumed and SIGKILLed inside the step-8
-    save (after its files were written, before it was published); resumed again to the end. The CLI's own tests read
-    this run too (its outputs, its counters): one set of CLI compiles for both."""
+    """``fit`` as a user runs it, on the loop fit's config (a checkpoint every 8 steps, keep 2), evaluated every
+    :data:`PREEMPTED_EVAL_EPOCHS` epochs, the raw weights too (``eval.base_model``), with early stopping that counts but
+    never stops (an improvement must be 1.0 mAP; patience 100): a real SIGTERM once step 3 (evaluated) is logged (the
+    step in flight finishes, its state is saved, exit 0); resumed and SIGKILLed inside the step-8 save (after its files
+    were written, before it was published); resumed again to the end. The CLI's own tests read this run too (its
+    outputs, its counters): one set of CLI compiles for both."""
     cfg = yaml.safe_load(inputs.loop_config.read_text())
     out = base / "run"
     cfg["trainer"].update(output_dir=str(out), loggers=[], resume="auto")
     cfg["checkpointing"] = {"every_steps": 8, "keep": 2}
+    cfg["eval"].update(every_steps=0, every_epochs=PREEMPTED_EVAL_EPOCHS, base_model=True, early_stopping=True,
+                       early_stopping_patience=100, early_stopping_min_delta=1.0, early_stopping_use_ema=False)
     config = base / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
 

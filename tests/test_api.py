@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import LOOP_MODEL, ROOT
+from conftest import LOOP_MODEL, ROOT, assert_quiet
 from jobs import JobInputs, job_fixture
 
 #: The loop model, one epoch of the session's 32 train images at rfdetr's per-device batch of 2 on 4 devices (4 steps),
@@ -29,7 +29,8 @@ print("RESULT", json.dumps({"weights": str(result.weights), "metrics": result.me
 def api_train(inputs: JobInputs, out: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
     options = {"model.resolution": LOOP_MODEL.resolution, "model.dec_layers": LOOP_MODEL.dec_layers,
                "model.backbone_blocks": LOOP_MODEL.backbone_blocks, "model.num_queries": LOOP_MODEL.num_queries,
-               "model.group_detr": LOOP_MODEL.group_detr, "data.max_targets": 8, "data.num_workers": 0,
+               "model.group_detr": LOOP_MODEL.group_detr, "model.pretrain_weights": LOOP_MODEL.pretrain_weights,
+               "data.max_targets": 8, "data.num_workers": 0,
                "trainer.precision": "fp32", "eval.every_steps": 1, "eval.early_stopping": True,
                "eval.early_stopping_patience": 1, "eval.early_stopping_min_delta": 1.0}
     env = {**inputs.env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
@@ -55,6 +56,15 @@ def test_train_runs_epochs_stops_early_and_returns_the_weight_file(api_train, sy
     assert resolved["data"]["global_batch_size"] == 8 and resolved["optim"]["lr"] == 4e-4
     assert "trainer.epochs=1: 4 steps of 8 images over 32 train images" in proc.stderr
     assert "early stopping at step 2: eval/mAP has not improved by 1 for 1 evaluations" in proc.stderr
+
+
+@pytest.mark.slow
+def test_train_is_quiet_by_default(api_train):
+    """``train()`` without ``verbose=True`` leaves out what the CLI leaves out (conftest's ``assert_quiet``): XLA's
+    per-compile GSPMD notice, torch's and rfdetr's warnings, the DINOv2 notes, pycocotools' prints."""
+    proc, _ = api_train
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_quiet(proc.stdout + proc.stderr)
 
 
 def test_train_names_an_unknown_argument_and_what_to_use_instead():

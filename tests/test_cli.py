@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import LOOP_STEPS, PreemptedRun, parity_tolerance, read_metrics
+from conftest import LOOP_STEPS, XLA_NOTE, PreemptedRun, assert_quiet, parity_tolerance, read_metrics
 from jobs import JobInputs, job_fixture
 
 from spmd_rfdetr.cli import main
@@ -68,10 +68,14 @@ def test_help_documents_every_option() -> None:
         for field in dataclasses.fields(options):
             option = f"--{section}.{field.name}"
             assert option in text, option
-    for option in ("--data.dataset_dir", "--trainer.output_dir", "--trainer.max_steps", "--trainer.log_every"):
-        # the field's docstring follows its option in the help
-        after = text.split(option + " ", 2)[-1][:200]
-        assert "(type:" in after and len(after.split("(type:")[0].strip()) > 10, (option, after)
+    for option in ("--data.dataset_dir", "--trainer.output_dir", "--trainer.max_steps", "--trainer.log_every",
+                   "--trainer.epochs", "--eval.every_epochs", "--eval.max_dets", "--eval.base_model",
+                   "--eval.early_stopping", "--eval.early_stopping_patience", "--eval.early_stopping_min_delta",
+                   "--eval.early_stopping_use_ema"):
+        # the field's docstring follows its option (and its metavar) in the help, before the option's "(type: ...)"
+        after = text.split(option + " ", 2)[-1]
+        doc = after.split("(type:")[0].strip().partition(" ")[2]
+        assert "(type:" in after and len(doc) > 10 and " --" not in doc, (option, after[:300])
 
 
 @pytest.mark.slow
@@ -79,13 +83,15 @@ def test_bad_config_is_one_clear_error_before_anything_runs(tmp_path: Path) -> N
     """Every config problem in one message, exit status 2, no traceback, nothing written (the data is not read)."""
     result = run_cli("fit", "--config", "configs/cpu.yaml", "--data.global_batch_size", "6",
                      "--data.max_targets", "31", "--data.scales", "[96]", "--model.resolution", "100",
+                     "--eval.every_epochs", "2",  # beside the YAML's eval.every_steps: 50
                      "--data.dataset_dir", str(tmp_path / "no-data"), "--trainer.output_dir", str(tmp_path / "out"),
                      timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
     for problem in ("data.global_batch_size=6 does not divide by the data axis (4 devices)",
                     "data.max_targets=31 is more than the 30 queries per group (model.num_queries)",
                     "data.scales=[96] needs data.multi_scale=true",
-                    "model.resolution=100 must be a multiple of 32 for model.variant=nano"):
+                    "model.resolution=100 must be a multiple of 32 for model.variant=nano",
+                    "eval.every_steps=50 and eval.every_epochs=2.0 are both set: evaluate in steps or in epochs"):
         assert problem in result.stderr, problem
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
@@ -121,6 +127,43 @@ def test_fit_cli_trains_and_writes_outputs(preempted_run: PreemptedRun) -> None:
 
 
 @pytest.mark.slow
+def test_fit_is_quiet_by_default(preempted_run: PreemptedRun, eight_device_fit: tuple) -> None:
+    """Issue 20: a ``fit`` without ``--verbose`` prints at most one GSPMD deprecation notice (XLA prints one per
+    compile: 13 in the README's quick start), our one line about it, no Python warning (torch's TF32 notice, rfdetr's
+    augmentation notice), no DINOv2 notes and no pycocotools prints: the first and last processes of the preempted
+    run (training) and the 8-device fit (training and an evaluation). ``--verbose``: test_resume's SIGTERM test."""
+    result, _ = eight_device_fit
+    for code, stdout, stderr in (preempted_run.first, preempted_run.last, (result.returncode, result.stdout,
+                                                                            result.stderr)):
+        assert code == 0, stderr[-3000:]
+        assert_quiet(stdout + stderr)
+
+
+@pytest.mark.slow
+def test_quiet_hides_xla_warnings_not_its_errors(tmp_path: Path) -> None:
+    """``spmd_rfdetr.quiet`` as the CLI sets it up hides XLA's warnings (GSPMD's deprecation notice, printed at every
+    SPMD compile), not its errors (an ``XLA_FLAGS`` dump folder it cannot create: one error line per module); with
+    ``SPMD_RFDETR_VERBOSE=1`` the warning is back. A one-op sharded program in a child, no RF-DETR."""
+    code = ("import logging; logging.basicConfig(level=logging.INFO); "
+            "from spmd_rfdetr import quiet, runtime, config; quiet.configure(); "
+            "runtime.setup_runtime(config.MeshOptions(cpu_devices=4)); "
+            "import numpy as np, torch, torch_xla, torch_xla.distributed.spmd as xs; "
+            "x = torch.ones(8, 4, device=torch_xla.device()); "
+            "xs.mark_sharding(x, xs.Mesh(np.arange(4), (4,), ('d',)), ('d', None)); print((2 * x).sum().item())")
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to=/proc/no_such_folder"}
+    logs = {}
+    for verbose in ("0", "1"):
+        result = subprocess.run([sys.executable, "-c", code], env={**env, "SPMD_RFDETR_VERBOSE": verbose}, text=True,
+                                capture_output=True, timeout=300)
+        assert result.returncode == 0 and result.stdout.strip() == "64.0", result.stderr[-3000:]
+        logs[verbose] = result.stderr
+    assert "Could not create directory: /proc/no_such_folder" in logs["0"], logs["0"][-3000:]
+    assert "GSPMD sharding propagation" not in logs["0"] and logs["0"].count(XLA_NOTE) == 1, logs["0"][-3000:]
+    assert "GSPMD sharding propagation" in logs["1"] and XLA_NOTE not in logs["1"], logs["1"][-3000:]
+
+
+@pytest.mark.slow
 def test_fit_counters_one_graph_per_step_transfers_only_at_log_points(preempted_run: PreemptedRun) -> None:
     records = read_metrics(preempted_run.out)  # steps 9 on ran in the last process (it resumed from step <= 8)
     every = yaml.safe_load((preempted_run.out / "config.yaml").read_text())["checkpointing"]["every_steps"]
@@ -128,6 +171,8 @@ def test_fit_counters_one_graph_per_step_transfers_only_at_log_points(preempted_
     for before, after in zip(records[9:], records[10:]):  # from step 10 on: no compile after warm-up (2 steps)
         if before["step"] % every == 0 or after["step"] % every == 0:
             continue  # a checkpoint save's copies to the host are counted around its step
+        if "eval/mAP" in after:
+            continue  # an evaluation's programs and transfers (test_resume.py counts them); the step after is checked
         steps = after["step"] - before["step"]
         assert after["xla_compiles"] == before["xla_compiles"], (before, after)
         assert after["xla_executions"] - before["xla_executions"] == steps, (before, after)
@@ -137,10 +182,12 @@ def test_fit_counters_one_graph_per_step_transfers_only_at_log_points(preempted_
 
 @job_fixture
 def eight_device_fit(inputs: JobInputs, out: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """The loop fit's config on 8 virtual devices, data 4 x fsdp 2, 4 steps, evaluated at the end."""
+    """The loop fit's config on 8 virtual devices, data 4 x fsdp 2, 4 steps, evaluated at the end (the raw weights
+    too: ``eval.base_model``)."""
     result = run_cli("fit", "--config", str(inputs.loop_config), "--trainer.output_dir", str(out),
                      "--trainer.max_steps", "4", "--data.per_device_batch_size", "1",
-                     "--mesh.data", "4", "--mesh.fsdp", "2", "--eval.every_steps", "4", devices=8, env=inputs.env)
+                     "--mesh.data", "4", "--mesh.fsdp", "2", "--eval.every_steps", "4", "--eval.base_model", "true",
+                     devices=8, env=inputs.env)
     return result, out
 
 
@@ -153,8 +200,8 @@ def test_fit_on_8_devices_with_fsdp_matches_4(eight_device_fit: tuple, loop_run:
     this fit's warm-up LR the near-tie reorderings of step 3 grow to 2.9e-3 there, measured 2026-12-01.) Both runs
     share batches (data order and augmentations are functions of the seed and step), the global batch (8 = 8 devices
     x data.per_device_batch_size 1 here, so that option is exercised end to end) and the LR (steps 1-4 are inside
-    the 5 warm-up steps, which do not depend on max_steps). It evaluates the sharded EMA weights at the end and writes
-    last.pth with whole (gathered) weights."""
+    the 5 warm-up steps, which do not depend on max_steps). It evaluates the sharded EMA and raw weights at the end
+    and writes last.pth with whole (gathered) weights."""
     result, tmp_path = eight_device_fit
     assert result.returncode == 0, result.stderr[-3000:]
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["data"]["global_batch_size"] == 8
@@ -166,6 +213,7 @@ def test_fit_on_8_devices_with_fsdp_matches_4(eight_device_fit: tuple, loop_run:
         assert abs(ours - ref) <= (1e-5 if step <= 2 else parity_tolerance(step)) * abs(ref), (loss8, loss4)
     print(f"data 4 x fsdp 2 vs 4 devices, steps 1-4: {loss8} vs {loss4}")
     assert records[-1]["step_mode"] == "replay" and "eval/mAP" in records[-1]
+    assert "eval/raw_mAP" in records[-1]  # eval.base_model: the sharded raw weights run the EMA's eval program
 
     from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions
     from spmd_rfdetr.model import build_model, upstream_configs

@@ -42,6 +42,10 @@ CASES = {
     "backbone_blocks": (edited(model={"backbone_blocks": 0}), None, "model.backbone_blocks=0 must be >= 1"),
     "blocks_weights": (edited(model={"backbone_blocks": 2, "pretrain_weights": "rf-detr-nano.pth"}), None,
                        "model.backbone_blocks=2 builds a backbone no published weights fit"),
+    "blocks_default_weights": (edited(model={"backbone_blocks": 2}), None,
+                               "model.backbone_blocks=2 builds a backbone no published weights fit, but "
+                               "model.pretrain_weights=auto (the default: rf-detr-nano.pth) starts from weights: set "
+                               "model.pretrain_weights: null (--model.pretrain_weights null) to train it from scratch"),
     "cpu_devices": (edited(mesh={"cpu_devices": 0}), None, "mesh.cpu_devices=0 must be >= 1"),
     "mesh_divides": (edited(mesh={"data": 3}), 4, "mesh.data=3 must divide the 4 devices (or be -1 for all)"),
     "batch_axis": (edited(data={"global_batch_size": 6}), 4,
@@ -55,11 +59,22 @@ CASES = {
                         "trainer.compile_backend=openxla needs trainer.matcher=device"),
     "eval_every": (edited(eval={"every_steps": -1}), None,
                    "eval.every_steps=-1 must be >= 0 (0 = no evaluation inside fit)"),
+    "eval_steps_and_epochs": (edited(eval={"every_steps": 50, "every_epochs": 1.0}), None,
+                              "eval.every_steps=50 and eval.every_epochs=1.0 are both set: evaluate in steps or in "
+                              "epochs (eval.every_steps: 0 with eval.every_epochs)"),
+    "eval_epochs": (edited(eval={"every_epochs": 0.0}), None,
+                    "eval.every_epochs=0.0 must be > 0 (or unset: eval.every_steps counts)"),
+    "early_stopping_without_eval": (edited(eval={"early_stopping": True}), None,
+                                    "eval.early_stopping needs evaluations: set eval.every_steps > 0 or "
+                                    "eval.every_epochs"),
     "checkpoint_every": (edited(checkpointing={"every_steps": -5}), None,
                          "checkpointing.every_steps=-5 must be >= 0 (0: a checkpoint only on SIGTERM)"),
     "checkpoint_keep": (edited(checkpointing={"keep": -1}), None,
                         "checkpointing.keep=-1 must be >= 0 (0: keep every checkpoint)"),
     "num_select": (edited(eval={"num_select": 0}), None, "eval.num_select=0 must be >= 1"),
+    "num_select_logits": (edited(model={"num_classes": 1}, eval={"num_select": 601}), None,
+                          "eval.num_select=601 is more than the 600 logits the model outputs per image (its 300 "
+                          "queries x (num_classes 1 + 1)): use at most 600"),
     "eval_batch": (edited(eval={"global_batch_size": 0}), None, "eval.global_batch_size=0 must be >= 1"),
     "eval_batch_axis": (edited(eval={"global_batch_size": 10}), 4,
                         "eval.global_batch_size=10 does not divide by the data axis (4 devices)"),
@@ -80,6 +95,23 @@ def test_valid_configs_pass() -> None:
     for device_count in (None, 1, 4, 8):
         resolve_and_check(edited()(), device_count)
     resolve_and_check(edited(mesh={"data": 2}, eval={"global_batch_size": 6})(), 4)  # 8 and 6 divide by 2
+    resolve_and_check(edited(eval={"every_epochs": 0.5, "early_stopping": True})(), 4)
+
+
+def test_eval_every_epochs_counts_in_the_steps_trainer_epochs_uses() -> None:
+    """``eval.every_epochs`` becomes steps with ``trainer.epochs``' steps per epoch (37 usable train images in batches
+    of 8: 4 steps, the partial batch dropped), at least 1; ``eval.every_steps`` is taken as it is. Either one makes
+    ``fit``'s data check read the eval split."""
+    from spmd_rfdetr.checks import fit_splits
+
+    assert resolve.steps_per_epoch(edited()(), 37) == 4
+    for epochs, steps in ((1.0, 4), (2.5, 10), (0.5, 2), (0.1, 1)):
+        assert resolve.eval_every_steps(edited(eval={"every_epochs": epochs})(), 37) == steps, epochs
+    assert resolve.eval_every_steps(edited(eval={"every_steps": 7})(), 37) == 7
+    assert resolve.eval_every_steps(edited()(), 37) == 0  # no evaluation
+    assert fit_splits(edited(eval={"every_epochs": 1.0})()) == ["train", "valid"]
+    assert fit_splits(edited(eval={"every_steps": 3})()) == ["train", "valid"]
+    assert fit_splits(edited()()) == ["train"]
 
 
 def test_openxla_is_refused_where_the_fix_is_not_verified(monkeypatch: pytest.MonkeyPatch) -> None:

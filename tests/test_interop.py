@@ -32,10 +32,11 @@ UPSTREAM_PREDICT = """
 import json, sys, torch
 from rfdetr import RFDETR, RFDETRNano
 checkpoint, images = sys.argv[1], sys.argv[2:]
-m = torch.load(checkpoint, map_location="cpu", weights_only=True)["config"]["model"]
+saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+m = saved["config"]["model"]
 model = RFDETRNano(pretrain_weights=checkpoint, num_classes=m["num_classes"], resolution=m["resolution"],
-                   num_queries=m["num_queries"], num_select=m["num_queries"], group_detr=m["group_detr"],
-                   dec_layers=m["dec_layers"])
+                   num_queries=m["num_queries"], num_select=saved["model_config"]["num_select"],
+                   group_detr=m["group_detr"], dec_layers=m["dec_layers"])
 restored = RFDETR.from_checkpoint(checkpoint)
 assert "torch_xla" not in sys.modules, "upstream ran with torch_xla imported"
 out = {"class_names": restored.class_names, "images": []}
@@ -79,7 +80,9 @@ def test_upstream_rfdetr_predicts_what_our_predict_does(fit_run, synth_dir, tmp_
     for image_id, upstream in enumerate(theirs["images"]):  # ids of a folder without annotations: the sorted file order
         rows = sorted((d for d in ours if d["image_id"] == image_id), key=lambda d: -d["score"])
         order = np.argsort(-np.asarray(upstream["score"]), kind="stable")
-        assert len(rows) == len(order) == saved["model"]["num_queries"], (len(rows), len(order))
+        assert len(order) == weight_file["model_config"]["num_select"] == 120  # 30 queries x (3 classes + 1)
+        order = order[np.isin(np.asarray(upstream["label"])[order], list(cat2label.values()))]  # as ours: rfdetr's
+        assert len(rows) == len(order) > 0, (len(rows), len(order))  # extra logit has no category, its rows dropped
         ours_xyxy = np.asarray([[x, y, x + w, y + h] for x, y, w, h in (d["bbox"] for d in rows)])
         np.testing.assert_allclose([d["score"] for d in rows], np.asarray(upstream["score"])[order], atol=1e-4)
         np.testing.assert_allclose(ours_xyxy / 128, np.asarray(upstream["xyxy"])[order] / 128, atol=1e-4)
@@ -131,7 +134,7 @@ def rfdetr_checkpoint(tmp_path_factory) -> Path:
     """An upstream-format checkpoint of the tiny architecture with 5 classes (``{"model", "args", "model_config"}``)."""
     from spmd_rfdetr.model import build_model, upstream_configs
 
-    cfgs = upstream_configs(ModelOptions(**TINY), DataOptions(), RunConfig().optim, num_classes=5)
+    cfgs = upstream_configs(ModelOptions(**TINY, pretrain_weights=None), DataOptions(), RunConfig().optim, num_classes=5)
     torch.manual_seed(1)
     net = build_model(cfgs)
     path = tmp_path_factory.mktemp("rfdetr") / "checkpoint_best_ema.pth"
@@ -192,9 +195,10 @@ def test_backbone_blocks_build_a_shallower_rfdetr_and_leave_rfdetr_as_it_was():
         return len(layers), cfgs.model.out_feature_indexes, out["pred_boxes"].shape
 
     read = dinov2.get_config
-    assert blocks(ModelOptions(backbone_blocks=2, **TINY)) == (2, [1, 2], (1, 30, 4))
-    assert blocks(ModelOptions(backbone_blocks=6, **TINY))[:2] == (6, [3, 4, 5, 6])
-    assert dinov2.get_config is read and blocks(ModelOptions(**TINY))[:2] == (12, [3, 6, 9, 12])
+    scratch = {**TINY, "pretrain_weights": None}
+    assert blocks(ModelOptions(backbone_blocks=2, **scratch)) == (2, [1, 2], (1, 30, 4))
+    assert blocks(ModelOptions(backbone_blocks=6, **scratch))[:2] == (6, [3, 4, 5, 6])
+    assert dinov2.get_config is read and blocks(ModelOptions(**scratch))[:2] == (12, [3, 6, 9, 12])
 
 
 #: rfdetr's own loader for its own checkpoints: architecture, weights and class names from the file alone.
@@ -205,8 +209,11 @@ model = RFDETR.from_checkpoint(sys.argv[1])
 assert "torch_xla" not in sys.modules
 mc, weights = model.model_config, torch.load(sys.argv[1], map_location="cpu", weights_only=True)["model"]
 same = all(torch.equal(v, weights[k]) for k, v in model.model.model.state_dict().items())
+from PIL import Image
+detections = model.predict(Image.new("RGB", (128, 128)), threshold=0.0)  # its own PostProcess, at the saved num_select
 print(json.dumps({"class": type(model).__name__, "class_names": model.class_names, "same_weights": same,
-                  "arch": [mc.resolution, mc.num_queries, mc.group_detr, mc.dec_layers, mc.num_classes]}))
+                  "arch": [mc.resolution, mc.num_queries, mc.group_detr, mc.dec_layers, mc.num_classes],
+                  "num_select": mc.num_select, "detections": len(detections)}))
 """
 
 
@@ -214,7 +221,7 @@ def test_rfdetr_from_checkpoint_reads_a_weight_file_with_rfdetr_entries(tmp_path
     from spmd_rfdetr.model import build_model, upstream_configs
     from spmd_rfdetr.weights import rfdetr_entries
 
-    cfg = RunConfig(model=ModelOptions(**TINY, num_classes=3))
+    cfg = RunConfig(model=ModelOptions(**TINY, num_classes=3, pretrain_weights=None))
     cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, 3)
     names = ["rectangle", "ellipse", "triangle"]
     path = tmp_path / "best.pth"  # a fit weight file (random weights) plus the entries rfdetr's checkpoints carry
@@ -224,4 +231,6 @@ def test_rfdetr_from_checkpoint_reads_a_weight_file_with_rfdetr_entries(tmp_path
                            env=without_xla(), capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stderr[-3000:]
     loaded = json.loads(child.stdout.strip().splitlines()[-1])
-    assert loaded == {"class": "RFDETRNano", "class_names": names, "same_weights": True, "arch": [128, 30, 2, 2, 3]}
+    # num_select: rfdetr's 300 lowered to the 30 x (3 + 1) logits the model has, which rfdetr's predict then runs at
+    assert loaded == {"class": "RFDETRNano", "class_names": names, "same_weights": True, "arch": [128, 30, 2, 2, 3],
+                      "num_select": 120, "detections": 120}

@@ -3,18 +3,20 @@
 conftest's ``preempted_run`` trains the loop fit's config (``loop_run``: the loop model, 24 steps, EMA on) in three
 real ``fit`` processes: stopped by a real SIGTERM, resumed and killed with SIGKILL inside a checkpoint save, resumed
 again to the end. Nothing is lost or done twice, and the steps after each resume equal the straight in-process run's (later ones
-drift apart with the CPU client's own ulp differences: :data:`AFTER_RESUME`). The NaN test stops an in-process fit
+drift apart with the CPU client's own ulp differences: :data:`AFTER_RESUME`); its evaluations (in epochs, with early
+stopping counting) go on where each process left them. The NaN test stops an in-process fit
 with a real SIGTERM of its own (conftest's ``sigterm_after``).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import LOOP_STEPS, PreemptedRun, read_metrics, sigterm_after
+from conftest import LOOP_STEPS, NOISE, PREEMPTED_EVAL_EVERY, XLA_NOTE, PreemptedRun, noise, read_metrics, sigterm_after
 from spmd_rfdetr.data import SeededSamples, TrainBatches
 
 
@@ -60,7 +62,10 @@ def test_seeded_samples_depend_on_the_key_only():
 @pytest.mark.slow
 def test_sigterm_and_a_kill_inside_a_save_lose_no_step(preempted_run: PreemptedRun):
     """The run's mechanics: SIGTERM saved the step in flight and exited 0; the half-written save was named and skipped
-    and the SIGTERM checkpoint used; every step logged once; the resumed process compiled once and never again."""
+    and the SIGTERM checkpoint used; every step logged once; the resumed process compiled its step once and never
+    again: the steps right after an evaluation (of the raw weights and the EMA's) replayed the same program, and each
+    evaluation after its first counted only the eval program's cache look-ups, 5 batches x 2 passes (the raw weights'
+    pass compiled nothing)."""
     run = preempted_run
     assert run.first[0] == 0, run.first[2][-4000:]
     assert 3 <= run.stopped < 8 and run.sigterm_checkpoint, run.first[1]
@@ -70,10 +75,50 @@ def test_sigterm_and_a_kill_inside_a_save_lose_no_step(preempted_run: PreemptedR
     assert f"resumed from {run.out / 'checkpoints' / f'step_{run.stopped:08d}'}" in stderr
     records = read_metrics(run.out)
     assert [r["step"] for r in records] == list(range(1, LOOP_STEPS + 1))  # every step once: none lost or twice
-    assert records[run.stopped]["xla_new_compiles"] == 1 and records[run.stopped]["step_mode"] == "replay"
-    assert all(r["xla_new_compiles"] == 0 for r in records[run.stopped + 1:]), "a resumed run recompiled"
+    evaluated = [r for r in records[run.stopped:] if "eval/mAP" in r]
+    first = records[run.stopped]
+    assert first["step_mode"] == "replay" and (first["xla_new_compiles"] == 1 or first is evaluated[0]), first
+    assert all(r["xla_new_compiles"] == 0 for r in records[run.stopped + 1:] if "eval/mAP" not in r), \
+        "a resumed run recompiled"
+    assert len(evaluated) >= 6 and {r["xla_new_compiles"] for r in evaluated[1:]} == {10}, evaluated
     kept = [f"step_{s:08d}" for s in (LOOP_STEPS - 8, LOOP_STEPS)]
     assert sorted(p.name for p in (run.out / "checkpoints").iterdir()) == kept  # keep 2
+
+
+@pytest.mark.slow
+def test_evaluations_and_early_stopping_counts_go_on_across_the_preemptions(preempted_run: PreemptedRun):
+    """``eval.every_epochs`` gives the same steps in each process (0.6 epochs = 3 steps); the best mAP and early
+    stopping's counts continue across both resumes: the last process resumed them from the checkpoint it started from
+    (logged), the kept checkpoints hold them, and every record's ``eval/best_mAP`` is the best of all evaluations so
+    far, those of the first process included, all as Lightning's rule gives over every evaluation logged (the better
+    of the raw and EMA mAP: ``eval.base_model``, ``early_stopping_use_ema: false``; min_delta 1.0, so only the first
+    counts as an improvement and the count grows by one per evaluation). The EMA and raw weights were evaluated
+    apart."""
+    run = preempted_run
+    records = read_metrics(run.out)
+    evals = [r for r in records if "eval/mAP" in r]
+    assert [r["step"] for r in evals] == list(range(PREEMPTED_EVAL_EVERY, LOOP_STEPS + 1, PREEMPTED_EVAL_EVERY))
+    assert "eval.every_epochs=0.6: an evaluation every 3 steps (5 steps per epoch)" in run.last[2]
+    best, watched_best, stale, states = float("-inf"), float("-inf"), 0, {0: (float("-inf"), float("-inf"), 0)}
+    for r in evals:
+        best = max(best, r["eval/mAP"])
+        assert r["eval/best_mAP"] == best, r
+        watched = max(r["eval/raw_mAP"], r["eval/mAP"])
+        watched_best, stale = (watched, 0) if watched - 1.0 > watched_best else (watched_best, stale + 1)
+        states[r["step"]] = (best, watched_best, stale)
+    assert stale == len(evals) - 1 and not any(r.get("early_stopped") for r in records)
+
+    def state_at(step: int) -> tuple[float, float, int]:
+        return states[max(s for s in states if s <= step)]
+
+    for step in (16, 24):  # the kept checkpoints
+        meta = json.loads((run.out / "checkpoints" / f"step_{step:08d}" / "meta.json").read_text())
+        assert meta["step"] == step and (meta["best_map"], meta["stopping_best"], meta["stale"]) == state_at(step)
+    best, watched_best, stale = state_at(run.stopped)  # what the last process resumed (the SIGTERM checkpoint)
+    assert f"best eval/mAP {best:g}; early stopping watches max(eval/raw_mAP, eval/mAP): best {watched_best:g}, " \
+           f"{stale} evaluation(s) without improvement" in run.last[2], run.last[2][-3000:]
+    assert any(r["eval/raw_mAP"] != r["eval/mAP"] for r in evals), evals  # two sets of weights, not one twice
+    assert (run.out / "eval" / f"step{LOOP_STEPS:07d}_raw_coco_eval.json").is_file()
 
 
 #: Steps after the resume point compared with the straight run. XLA's CPU client computes some steps' gradients an
@@ -162,7 +207,10 @@ def test_sigterm_during_the_first_compile_exits_at_once(tmp_path: Path):
     """A spot VM gets ~30 s of notice and the first compile takes minutes: a real SIGTERM sent once XLA has started
     compiling the first step (its GSPMD line is printed as the partitioner runs) ends the process before that compile
     finishes, with the message and exit code 143, and nothing written: no step was trained, so nothing is saved.
-    (Before this, the handler waited for the step to end and saved a checkpoint of step 1.)"""
+    (Before this, the handler waited for the step to end and saved a checkpoint of step 1.)
+
+    It runs with ``--verbose``, under which XLA prints that GSPMD line (hidden by default: ``spmd_rfdetr.quiet``), and
+    so checks ``--verbose`` too: everything a default run leaves out (conftest's ``NOISE``) is printed again."""
     import os
     import signal
     import subprocess
@@ -174,12 +222,14 @@ def test_sigterm_during_the_first_compile_exits_at_once(tmp_path: Path):
 
     synth(str(tmp_path / "data"), train_images=8, valid_images=1, test_images=0, image_size=64)
     out = tmp_path / "out"
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+    # unbuffered: what the child printed to stdout before os._exit (pycocotools' prints) reaches the log too
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "PYTHONUNBUFFERED": "1"}
     model = [f"--model.{k}={v}" for k, v in (("resolution", LOOP_MODEL.resolution), ("dec_layers", LOOP_MODEL.dec_layers),
                                              ("backbone_blocks", LOOP_MODEL.backbone_blocks))]
     proc = subprocess.Popen([sys.executable, "-m", "spmd_rfdetr", "fit", "--config", str(ROOT / "configs/cpu.yaml"),
                              "--data.dataset_dir", str(tmp_path / "data"), "--trainer.output_dir", str(out), *model,
-                             "--trainer.max_steps", "2", "--eval.every_steps", "0", "--data.num_workers", "0"],
+                             "--trainer.max_steps", "2", "--eval.every_steps", "0", "--data.num_workers", "0",
+                             "--model.pretrain_weights", "null", "--verbose"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:  # type: ignore[union-attr]
@@ -193,6 +243,7 @@ def test_sigterm_during_the_first_compile_exits_at_once(tmp_path: Path):
     assert "SIGTERM before the first step finished: nothing to save, exiting now" in log, log[-3000:]
     assert "XLA compiled" not in log and "step 1/" not in log, log[-3000:]  # the compile did not finish
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+    assert set(noise(log)) == set(NOISE) and XLA_NOTE not in log, (noise(log), log[-3000:])  # --verbose: all of it
 
 
 def test_a_save_slower_than_the_preemption_notice_warns(tmp_path: Path, monkeypatch, caplog):

@@ -19,6 +19,8 @@ pytestmark = [
     pytest.mark.skipif(xr.device_type() != "TPU", reason=f"needs a TPU; this process runs on {xr.device_type()}"),
 ]
 ROOT = Path(__file__).resolve().parents[1]
+#: The v5e recipe from scratch: a TPU VM of the suite need not reach rfdetr's weight host (the recipe fine-tunes).
+FIT_V5E = ("fit", "--config", "configs/v5e.yaml", "--model.pretrain_weights", "null")
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -50,7 +52,7 @@ def test_3_to_7_two_nano_steps_finite_no_fallbacks(tmp_path: Path) -> None:
     """Nano at 384 px, bf16, 2 steps through `fit`: finite loss, zero aten:: fallbacks (grid_sampler included)."""
     data = tmp_path / "synth"
     assert run("synth", "--output_dir", str(data), "--image_size", "384").returncode == 0
-    result = run("fit", "--config", "configs/v5e.yaml", "--data.dataset_dir", str(data), "--trainer.max_steps", "2",
+    result = run(*FIT_V5E, "--data.dataset_dir", str(data), "--trainer.max_steps", "2",
                  "--trainer.log_every", "1", "--trainer.output_dir", str(tmp_path / "out"), "--data.num_workers", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -67,7 +69,7 @@ def test_8_a_second_fit_loads_every_graph_from_the_persistent_cache(tmp_path: Pa
     last = []
     for attempt in ("first", "second"):
         out = tmp_path / attempt
-        result = run("fit", "--config", "configs/v5e.yaml", "--data.dataset_dir", str(data), "--trainer.max_steps",
+        result = run(*FIT_V5E, "--data.dataset_dir", str(data), "--trainer.max_steps",
                      "3", "--trainer.log_every", "1", "--trainer.output_dir", str(out), "--eval.every_steps", "0",
                      "--trainer.compile_cache_dir", str(tmp_path / "cache"))
         assert result.returncode == 0, result.stderr[-3000:]
@@ -86,7 +88,7 @@ def test_9_a_preempted_fit_resumes_bit_for_bit(tmp_path: Path) -> None:
 
     data = tmp_path / "synth"
     assert run("synth", "--output_dir", str(data), "--image_size", "384").returncode == 0
-    common = ["fit", "--config", "configs/v5e.yaml", "--data.dataset_dir", str(data), "--trainer.max_steps", "6",
+    common = [*FIT_V5E, "--data.dataset_dir", str(data), "--trainer.max_steps", "6",
               "--trainer.log_every", "1", "--eval.every_steps", "0", "--data.num_workers", "2"]
     assert run(*common, "--trainer.output_dir", str(tmp_path / "straight")).returncode == 0
     out = tmp_path / "preempted"

@@ -90,7 +90,8 @@ def trace_programs(cfg: RunConfig, out: Path, train_only: bool = False) -> list[
     t, d = cfg.trainer, cfg.data
     fabric = spmd_fabric(build_mesh(cfg.mesh.data, cfg.mesh.fsdp), precision=PRECISIONS[t.precision])
     fabric.seed_everything(t.seed)
-    cfgs = upstream_configs(cfg.model, d, cfg.optim, _num_classes(cfg))
+    cfg.model.pretrain_weights = None  # the programs depend on the shapes, not the weights: nothing to download
+    cfgs = upstream_configs(cfg.model, d, cfg.optim, _num_classes(cfg), cfg.eval.num_select)
     trainer = build_trainer(fabric, cfgs, cfg.optim, t, ema=cfg.model, mesh=cfg.mesh)
     if trainer.step.mode != "replay":
         raise ValueError(f"the aot check compiles the replayed training step; this config runs it in "

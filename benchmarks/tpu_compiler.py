@@ -6,9 +6,9 @@
 Each run is the ``aot`` verb (libtpu through JAX's compile-only client, the ``aot`` extra: no TPU needed), so the
 figures are the compiler's: HBM per chip, FLOPs and bytes accessed per step per chip (XLA's cost analysis of the
 partitioned program, a While body counted once), a roofline time from the chip's published peak and bandwidth,
-collectives, compile time on this machine. Prints the README's markdown table. The largest per-chip batch is the
-``--max-batch`` search's (a compile per probe) where it ran, else an estimate from the one compile: temporaries per
-image at the shipped batch, scaled to the HBM left with 10% free, marked ``~``.
+collectives, compile time on this machine. Prints benchmarks/README.md's markdown table. The largest per-chip batch is
+the ``--max-batch`` search's (a compile per probe) where it ran, else an estimate from the one compile: temporaries
+per image at the shipped batch, scaled to the HBM left with 10% free, marked ``~``.
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 
 Runs on the CPU in eager PyTorch (no XLA tensor is made): ``RFDETR.export`` (ONNX by default) traces rfdetr's model
 with the checkpoint's weights and architecture (:func:`spmd_rfdetr.weights.inference_config`).
+
+The exported ONNX graph gives the eager model's outputs under onnxruntime (tested). Other rfdetr formats (``tflite``,
+``openvino``, ...) go through the same call; a format whose rfdetr extra is missing stops with exit status 2 and the
+``pip install`` line.
 """
 
 from __future__ import annotations

@@ -7,6 +7,28 @@ through ``torch.distributed._functional_collectives`` on small CPU tensors over 
 
 The group is joined with torch_xla's ``xla://`` rendezvous: ranks are the runtime's process indices and the coordinator
 (process 0) is found from the TPU metadata (or ``MASTER_ADDR``/``MASTER_PORT``).
+
+What ``fit`` does with several processes: host-level agreement (the stop flag, the dataset size, the data check,
+which host 0 runs for all) goes over this group; no ``torch.distributed`` call of rfdetr's reaches the compiled step
+(the loss normaliser is the global batch's box count, computed on the device). Each host loads only its contiguous
+rows of every global batch, train and eval alike (the same global batches as on one host, so resume stays exact), and
+torch_xla builds the global array from the hosts' slices (``ShardingSpec(minibatch=True)``). In evaluation
+(``EvalBatches``) the image ids are every host's, gathered over gloo in host order, so padding rows (id -1) are dropped
+the same way on every host. The hosts compare their number of usable train images before anything compiles and stop
+with one message if they differ. A SIGTERM reaching any host stops every host after the same step, with one
+checkpoint: written by all hosts (each its own shards), then published by host 0's rename after a barrier. Host 0
+alone writes ``metrics.jsonl``, the logger files, ``config.yaml``, ``last.pth``/``best.pth`` (every host builds the
+CPU state dict, so a gather runs on all of them), the eval files, ``predict``'s output, and new entries of a shared
+persistent compilation cache (the other hosts open it read-only).
+
+Tested (``tests/test_hosts.py``): two real processes in one gloo group each run ``fit`` (the loop model, 4 steps, an
+eval at the end) with the losses of the one-process run bit for bit, one replayed program, every eval image scored
+once, and only host 0's files written; two processes agree on the stop flag after a real SIGTERM to one of them,
+refuse different dataset sizes, and their row slices put together are the one-host batches (train and eval). Not
+tested, and what is left for a real pod slice: one mesh over several processes. torch_xla 2.9 cannot run one SPMD mesh
+across CPU processes (its PJRT CPU client has no distributed key-value store), so in the test each process's runtime
+drives its own whole mesh and loads every row; the assembly of a global array from two hosts' slices, the gathers
+behind ``last.pth`` with ``fsdp`` shards on another host and the read-only cache were not run.
 """
 
 from __future__ import annotations

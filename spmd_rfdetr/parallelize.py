@@ -16,6 +16,9 @@ What follows the parameters:
 - EMA: :class:`spmd_rfdetr.ema.DeviceEMA` deep-copies the set-up model after this step; a deep copy keeps shardings.
 - Checkpoints: :mod:`spmd_rfdetr.checkpoint` loads sharded tensors in place through torch_xla's SPMD planner.
 Everything else (buffers, 0-d tensors) stays replicated.
+
+Tested (``tests/test_parallelize.py``): on 8 CPU devices, data 2 x fsdp 4 trains the tiny model with the losses of
+data 8 (relative 1e-5, 3 steps, replayed step), and parameter + AdamW bytes per device fall to about 1/4.
 """
 
 from __future__ import annotations

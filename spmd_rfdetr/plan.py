@@ -7,6 +7,11 @@ device (shapes only; patch-14 variants skip the DINOv2 hub weights they would ot
 trainable parameter sharded like it (GSPMD), AdamW's ``exp_avg``/``exp_avg_sq`` sharded like it plus a replicated
 fp32 step count, and an EMA copy of every parameter and floating buffer. Activations are not included (they scale with
 the per-device batch and resolution, not the mesh).
+
+rfdetr 1.11's detection variants all use a DINOv2-small-sized backbone, so their weights differ little (30-34 M
+parameters, about 0.6 GiB of training state replicated; the table for data 2 x fsdp 4 is in ``benchmarks/README.md``):
+what grows with the variant is the resolution, hence the activations. For these models FSDP buys room for a larger
+per-device batch rather than making a model fit at all.
 """
 
 from __future__ import annotations

@@ -11,6 +11,20 @@
 
 Prints both and writes a JSON (default ``benchmarks/results/convergence-<config>-<steps>steps-<date>.json``). Exits
 non-zero when the two mAPs differ by more than ``--tolerance`` (0.005 = 0.5 AP).
+
+``--compare upstream`` trains the same recipe twice per seed, and scores both the same way:
+
+    python benchmarks/convergence.py --compare upstream --epochs 6 --seeds 42 7
+
+- ours: ``fit`` on the CPU mesh (``trainer.epochs``, eval every ``--eval-epochs`` inside ``fit``);
+- upstream: rfdetr's own trainer, ``RFDETRNano(...).train(...)`` (Lightning, eager on the CPU, in a process without
+  XLA), given the config's model, batch, optimizer, schedule, EMA and augmentation settings
+  (:func:`upstream_train_kwargs`; :data:`NOT_MATCHED` lists what its options cannot express);
+- the final EMA weights of both (``last.pth``; upstream's ``last_ema.pth``) scored by upstream's eager evaluator on the
+  valid split at ``eval.max_dets`` (:func:`upstream_eager_stats`), so the two numbers differ only by training.
+
+Writes ``benchmarks/results/convergence-upstream-<config>-<epochs>ep-<date>.{json,png}``: per seed and side the final
+mAP/mAP50/mAP75 and each side's own eval curve; the gap of the seed means and each side's spread.
 """
 
 from __future__ import annotations
@@ -29,8 +43,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run from a checkout without installing the package
 
 
-def upstream_eager_stats(checkpoint: Path, split: str) -> list[float]:
-    """rfdetr's own eager evaluation of a ``fit`` checkpoint (run in a process without torch_xla)."""
+def upstream_eager_stats(checkpoint: Path, split: str, weights: Path | None = None) -> list[float]:
+    """rfdetr's own eager evaluation of a ``fit`` checkpoint (run in a process without torch_xla); ``weights``: score
+    that rfdetr weight file (upstream's ``last_ema.pth``) instead, with the checkpoint's config."""
     import torch
     from rfdetr.datasets import get_coco_api_from_dataset
     from rfdetr.evaluation.coco_eval import CocoEvaluator
@@ -42,11 +57,13 @@ def upstream_eager_stats(checkpoint: Path, split: str) -> list[float]:
 
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)
     c = state["config"]
-    cfgs = upstream_configs(ModelOptions(**c["model"]), DataOptions(**c["data"]), OptimOptions(**c["optim"]),
-                            c["model"]["num_classes"])
+    model = ModelOptions(**{**c["model"], "pretrain_weights": None})  # the weights are the checkpoint's
+    cfgs = upstream_configs(model, DataOptions(**c["data"]), OptimOptions(**c["optim"]), c["model"]["num_classes"],
+                            c["eval"].get("num_select"))  # the detections per image the fit's evaluation kept
     dataset = upstream_split(cfgs, split)  # rfdetr's own dataset and float pipeline
     net = build_model(cfgs)
-    net.load_state_dict(state["model"])
+    net.load_state_dict(state["model"] if weights is None else
+                        torch.load(weights, map_location="cpu", weights_only=False)["model"])
     net.eval()
     postprocess = build_upstream_criterion(cfgs)[1]
     max_dets = c["eval"].get("max_dets", 100)  # the fit's own eval setting (before it existed: pycocotools' 100)
@@ -62,9 +79,150 @@ def upstream_eager_stats(checkpoint: Path, split: str) -> list[float]:
     return [float(v) for v in evaluator.coco_eval["bbox"].stats]
 
 
-def run(cmd: list[str]) -> None:
+#: What upstream's trainer cannot be told to do as ``fit`` does (each differs on purpose or by design, see where noted).
+NOT_MATCHED = [
+    "warm-up: upstream's step s of w uses s/w of the LR (its first step LR 0), ours (s+1)/(w+1) (OptimOptions)",
+    "data order and augmentation draws: the same rfdetr transforms, drawn from different RNG streams (ours: per "
+    "sample from (seed, epoch, index); upstream: Lightning's sampler and its workers' RNGs)",
+    "matcher: SciPy's Hungarian on the host (upstream) vs the exact device solver (ours); ties may pair differently",
+    "numerics: eager float32 on the CPU (upstream) vs XLA float32 on the 4-device CPU mesh (ours)",
+    "weight init: the same builder with the same seed, but drawn in another order (other RNG state when built)",
+]
+
+
+def upstream_train_kwargs(cfg: Any, epochs: int, steps_per_epoch: int, eval_epochs: int, seed: int,
+                          output_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """rfdetr's ``RFDETR<Variant>(**model)`` and ``.train(**train)`` arguments for our ``RunConfig`` ``cfg``."""
+    m, d, o = cfg.model, cfg.data, cfg.optim
+    if o.schedule not in ("cosine", "step") or o.accumulate != 1 or d.multi_scale:
+        raise SystemExit("--compare upstream: needs optim.schedule cosine/step, optim.accumulate 1, no multi_scale")
+    from spmd_rfdetr.data import num_classes_in
+    from spmd_rfdetr.model import upstream_configs
+
+    ours = upstream_configs(m, d, o, m.num_classes or num_classes_in(d.dataset_dir)).model  # as fit builds it
+    model = {"pretrain_weights": ours.pretrain_weights, "resolution": ours.resolution,
+             "num_queries": ours.num_queries, "num_select": ours.num_select, "group_detr": ours.group_detr,
+             "dec_layers": ours.dec_layers}
+    train = {
+        "dataset_dir": d.dataset_dir, "epochs": epochs, "batch_size": d.global_batch_size, "grad_accum_steps": 1,
+        "lr": o.lr, "lr_encoder": o.lr_encoder, "weight_decay": o.weight_decay,
+        "lr_vit_layer_decay": o.lr_vit_layer_decay, "lr_component_decay": o.lr_component_decay,
+        "clip_max_norm": o.clip_max_norm, "warmup_epochs": o.warmup_steps / steps_per_epoch,
+        "lr_scheduler": o.schedule, "lr_scheduler_kwargs": ({"min_factor": o.min_lr_factor} if o.schedule == "cosine"
+                                                            else {"lr_drop": o.lr_drop_step // steps_per_epoch}),
+        "multi_scale": False, "expanded_scales": False, "use_ema": m.ema, "ema_decay": m.ema_decay,
+        "ema_tau": m.ema_tau, "eval_max_dets": cfg.eval.max_dets, "eval_interval": eval_epochs, "seed": seed,
+        "num_workers": d.num_workers, "device": "cpu", "output_dir": str(output_dir), "tensorboard": False,
+        "progress_bar": False, "checkpoint_interval": 10**6,
+    }
+    return model, train
+
+
+def upstream_train(config: str, data: Path, epochs: int, eval_epochs: int, seed: int, max_dets: int,
+                   out: Path) -> None:
+    """Child: rfdetr's own trainer on ``config``'s recipe (a process without torch_xla)."""
+    import rfdetr
+
+    from spmd_rfdetr.cli import run_config
+    from spmd_rfdetr.config import VARIANT_CONFIGS, resolved_weights
+
+    cfg = run_config(["--config", config, "--data.dataset_dir", str(data), "--eval.max_dets", str(max_dets)])
+    cfg.model.pretrain_weights = resolved_weights(cfg.model)
+    steps_per_epoch = _train_images(data) // cfg.data.global_batch_size
+    model, train = upstream_train_kwargs(cfg, epochs, steps_per_epoch, eval_epochs, seed, out)
+    cls = getattr(rfdetr, VARIANT_CONFIGS[cfg.model.variant].replace("Config", ""))
+    cls(**model).train(**train)
+
+
+def _train_images(data: Path) -> int:
+    return len(json.loads((data / "train" / "_annotations.coco.json").read_text())["images"])
+
+
+def compare_upstream(args: argparse.Namespace, data: Path, work: Path) -> int:
+    """``--compare upstream``: both trainers per seed, both final EMA weights scored by upstream's evaluator."""
+    import csv
+
+    from spmd_rfdetr.coco import stat_names
+
+    steps_per_epoch = _train_images(data) // _global_batch(args.config)
+    runs: dict[str, list[dict[str, Any]]] = {"ours": [], "upstream": []}
+    for seed in args.seeds:
+        ours_dir, up_dir = work / f"ours-{seed}", work / f"upstream-{seed}"  # a finished run in --out is reused
+        if not (ours_dir / "last.pth").exists():
+            run([sys.executable, "-m", "spmd_rfdetr", "fit", "--config", args.config, "--data.dataset_dir", str(data),
+                 "--trainer.output_dir", str(ours_dir), "--trainer.epochs", str(args.epochs), "--eval.every_steps",
+                 "0", "--eval.every_epochs", str(args.eval_epochs), "--eval.max_dets", str(args.max_dets),
+                 "--trainer.seed", str(seed), "--trainer.progress_bar", "false"])
+        if not (up_dir / "last_ema.pth").exists():
+            run([sys.executable, __file__, "--_upstream_train", str(up_dir), "--config", args.config, "--data",
+                 str(data), "--epochs", str(args.epochs), "--eval-epochs", str(args.eval_epochs), "--seeds", str(seed),
+                 "--max-dets", str(args.max_dets)],
+                env=_env_without_xla())
+        records = [json.loads(line) for line in (ours_dir / "metrics.jsonl").read_text().splitlines()]
+        ours_curve = [(r["step"], r["eval/mAP"]) for r in records if "eval/mAP" in r]
+        with open(up_dir / "metrics.csv") as f:
+            up_curve = [((int(r["epoch"]) + 1) * steps_per_epoch, float(r["val/ema_mAP_50_95"]))
+                        for r in csv.DictReader(f) if r.get("val/ema_mAP_50_95")]
+        max_dets = json.loads(sorted((ours_dir / "eval").glob("*_coco_eval.json"))[-1].read_text())["max_dets"]
+        for side, extra, curve in (("ours", [], ours_curve),
+                                   ("upstream", ["--_weights", str(up_dir / "last_ema.pth")], up_curve)):
+            child = subprocess.run([sys.executable, __file__, "--_upstream", str(ours_dir / "last.pth"), *extra],
+                                   cwd=ROOT, check=True, capture_output=True, text=True, env=_env_without_xla())
+            stats = dict(zip(stat_names(max_dets), json.loads(child.stdout.strip().splitlines()[-1])))
+            runs[side].append({"seed": seed, "final": stats, "own_eval_curve": curve})
+            print(f"seed {seed} {side}: mAP {stats['mAP']:.4f} mAP50 {stats['mAP50']:.4f} mAP75 {stats['mAP75']:.4f}",
+                  flush=True)
+    summary = {side: _mean_spread([r["final"]["mAP"] for r in rs]) for side, rs in runs.items()}
+    gap = summary["ours"]["mean"] - summary["upstream"]["mean"]
+    print(f"\nmAP ours {summary['ours']} upstream {summary['upstream']}: gap (ours - upstream) {gap:+.4f}")
+    date = datetime.date.today().isoformat()
+    stem = f"convergence-upstream-{Path(args.config).stem}-{args.epochs}ep-{date}"
+    path = args.json or ROOT / "benchmarks" / "results" / f"{stem}.json"
+    payload = {"config": args.config, "epochs": args.epochs, "steps": args.epochs * steps_per_epoch,
+               "seeds": args.seeds, "scored_by": "upstream's eager PostProcess + CocoEvaluator, final EMA weights",
+               "runs": runs, "summary": summary, "gap_mean_mAP": gap, "not_matched": NOT_MATCHED}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1))
+    _plot(path.with_suffix(".png"), runs,
+          f"{args.config}, {args.epochs} epochs: each trainer's own evals; stars: final EMA weights, one evaluator")
+    print(f"wrote {path} and its .png")
+    return 0
+
+
+def _global_batch(config: str) -> int:
+    from spmd_rfdetr.cli import run_config
+
+    return run_config(["--config", config]).data.global_batch_size
+
+
+def _mean_spread(values: list[float]) -> dict[str, float]:
+    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
+
+
+def _plot(path: Path, runs: dict[str, list[dict[str, Any]]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for side, color in (("ours", "tab:blue"), ("upstream", "tab:orange")):
+        for r in runs[side]:
+            steps, maps = zip(*r["own_eval_curve"]) if r["own_eval_curve"] else ((), ())
+            ax.plot(steps, maps, "-o", color=color, alpha=0.6, label=f"{side} seed {r['seed']} (own eval)")
+            last = steps[-1] if steps else 0
+            ax.plot([last], [r["final"]["mAP"]], "*", color=color, markersize=12)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("COCO mAP, valid split")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None) -> None:
     print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,16 +234,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="fit output dir (default: a temp dir)")
     p.add_argument("--json", type=Path, help="result JSON")
     p.add_argument("--tolerance", type=float, default=0.005, help="max |mAP ours - mAP upstream| (default 0.005)")
+    p.add_argument("--compare", choices=["upstream"], help="also train with upstream rfdetr's own trainer")
+    p.add_argument("--epochs", type=int, default=6, help="--compare: epochs of the train split (default 6)")
+    p.add_argument("--eval-epochs", type=int, default=2, help="--compare: evaluate every N epochs (default 2)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[42, 7], help="--compare: seeds per side")
+    p.add_argument("--max-dets", type=int, default=100, help="--compare: COCO maxDets of every score (default 100)")
     p.add_argument("--_upstream", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--_weights", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--_upstream_train", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._upstream:  # child: upstream eager eval, prints its stats as JSON
-        print(json.dumps(upstream_eager_stats(args._upstream, "valid")))
+        print(json.dumps(upstream_eager_stats(args._upstream, "valid", args._weights)))
+        return 0
+    if args._upstream_train:  # child: upstream's own trainer
+        upstream_train(args.config, args.data, args.epochs, args.eval_epochs, args.seeds[0], args.max_dets,
+                       args._upstream_train)
         return 0
 
     work = Path(tempfile.mkdtemp(prefix="spmd_rfdetr_convergence_"))
     data, out = args.data or work / "synth", args.out or work / "fit"
     if not data.exists():
         run([sys.executable, "-m", "spmd_rfdetr", "synth", "--output_dir", str(data)])
+    if args.compare:
+        return compare_upstream(args, data, args.out or work)
     run([sys.executable, "-m", "spmd_rfdetr", "fit", "--config", args.config, "--data.dataset_dir", str(data),
          "--trainer.output_dir", str(out), "--trainer.max_steps", str(args.steps),
          "--eval.every_steps", str(args.eval_every), "--trainer.progress_bar", "false"])

@@ -39,8 +39,9 @@ def load_for_inference(cfg: RunConfig, checkpoint: str) -> tuple[RunConfig, Any,
     Returns (the config completed from the checkpoint, fabric, upstream configs, model).
     """
     from spmd_rfdetr.resolve import resolve_and_check
-    from spmd_rfdetr.runtime import PRECISIONS, setup_runtime
+    from spmd_rfdetr.runtime import PRECISIONS, choose_device, setup_runtime
 
+    choose_device(cfg.mesh)  # reading the weights imports rfdetr, which starts torch_xla
     saved = read_weights(checkpoint)
     cfg = inference_config(cfg, saved)
     if cfg.model.num_queries is not None:  # max_targets only shapes training batches: its query-count check is moot
@@ -49,6 +50,7 @@ def load_for_inference(cfg: RunConfig, checkpoint: str) -> tuple[RunConfig, Any,
     import torch_xla.runtime as xr
 
     resolve_and_check(cfg, xr.global_runtime_device_count())
+    log.info("%s on %d %s device(s)", Path(checkpoint).name, xr.global_runtime_device_count(), xr.device_type())
     from spmd_rfdetr.data import num_classes_in
     from spmd_rfdetr.fabric import spmd_fabric
     from spmd_rfdetr.mesh import build_mesh
@@ -69,9 +71,9 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: str, output_dir: str | None 
 
     ``output_dir`` defaults to ``<checkpoint dir>/eval_<checkpoint stem>_<split>``.
     """
-    from spmd_rfdetr.data import build_split
-
     cfg, fabric, cfgs, net = load_for_inference(cfg, checkpoint)
+    from spmd_rfdetr.data import build_split  # imports rfdetr, which starts torch_xla: after the device is chosen
+
     check_data(cfg, [cfg.eval.split])  # the split's annotations and images, before the eval program compiles
     result = evaluator_for(cfg, cfgs, net, fabric, build_split(cfgs, cfg.eval.split)).run()
     out = Path(output_dir) if output_dir else Path(checkpoint).parent / f"eval_{Path(checkpoint).stem}_{cfg.eval.split}"

@@ -23,6 +23,7 @@ Long runs:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import signal
@@ -171,6 +172,10 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
         stats = step_fn(next(batches))
         window_steps += 1
         eval_now = evaluation is not None and evaluation.due(step, t.max_steps)
+        if eval_now and step_fn.check_pending and step < t.max_steps:  # e.g. a resumed run's first step
+            upcoming = next(batches)
+            step_fn.check_ahead(upcoming)  # replay's check traces the next step before the evaluation can change it
+            batches = itertools.chain([upcoming], batches)
         stop = hosts.any_host(preemption.requested)  # a SIGTERM on one host stops them all at this step
         save_now = stop or (every > 0 and step % every == 0)
         host_s += time.perf_counter() - iteration_start

@@ -164,6 +164,14 @@ class Replayer:
         self.programs[key] = program
         return result, ""
 
+    def check_aside(self, batch: dict[str, torch.Tensor]) -> str:
+        """:meth:`check` without running the step: trace this batch's step on the state as it is, compare it with the
+        signature's program, then put the state back (see :meth:`_trace_aside`); returns the problem ('' if none)."""
+        first = self.programs[signature(batch)]
+        problems: list[str] = []
+        self._trace_aside(batch, lambda program, inputs, outputs: problems.append(_difference(first, program)))
+        return problems[0]
+
     def precompile(self, batch: dict[str, torch.Tensor]) -> bool:
         """Compile the program for this batch's signature now without running it, and leave the state as it was
         (a multi-scale run compiles every bucket before step 1). False if the signature has a program already."""

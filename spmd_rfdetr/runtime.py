@@ -24,12 +24,18 @@ log = logging.getLogger(__name__)
 PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed"}
 
 
-def setup_runtime(mesh: MeshOptions, compile_cache_dir: str | None = None) -> str | None:
-    """Choose the PJRT device (before the XLA runtime starts), switch the process to SPMD and turn on the persistent
-    compilation cache where it works; returns the cache directory (``None``: off)."""
+def choose_device(mesh: MeshOptions) -> None:
+    """``mesh.cpu_devices`` virtual CPU devices unless ``PJRT_DEVICE`` is set; call before anything imports torch_xla
+    (rfdetr's modules do), or torch_xla starts on its default: one CPU device."""
     if mesh.cpu_devices is not None and "PJRT_DEVICE" not in os.environ:
         os.environ["PJRT_DEVICE"] = "CPU"
         os.environ["CPU_NUM_DEVICES"] = str(mesh.cpu_devices)
+
+
+def setup_runtime(mesh: MeshOptions, compile_cache_dir: str | None = None) -> str | None:
+    """Choose the PJRT device (before the XLA runtime starts), switch the process to SPMD and turn on the persistent
+    compilation cache where it works; returns the cache directory (``None``: off)."""
+    choose_device(mesh)
     xla_note()  # once: the XLA warnings quiet.configure hid (GSPMD's deprecation notice, at every compile)
     import torch_xla.runtime as xr
 

@@ -300,6 +300,31 @@ class TrainStep:
             self._fall_back(problem)
         return stats
 
+    @property
+    def check_pending(self) -> bool:
+        """Replay's check has not run yet (it traces the second step once more and compares: :meth:`Replayer.check`)."""
+        return self.mode == "replay" and not self._checked
+
+    def check_ahead(self, batch: dict[str, torch.Tensor]) -> None:
+        """Run replay's check now on the next step's batch, without running that step (the weights, optimizer state
+        and gradients stay as they are), so that the next step replays or, if the check fails, traces.
+
+        For a loop that evaluates right after a run's first step: a trace after an openxla evaluation differs from one
+        before it (torch.compile's bridge keeps references to the evaluated weights), so the check must come first."""
+        if not self.check_pending or not self._replayer.seen(batch):
+            return
+        self._checked = True
+        grads = [(p, p.grad) for p in self.model.parameters()]
+        try:
+            problem = self._replayer.check_aside(batch)
+        except ReplayUnsafe as error:  # refused at trace time; the state was put back
+            problem = str(error)
+        finally:
+            for param, grad in grads:  # the trace's gradients are not the model's
+                param.grad = grad
+        if problem:
+            self._fall_back(problem)
+
     def precompile(self, batch: dict[str, torch.Tensor]) -> bool:
         """Compile the program for this batch's signature before its first step (replay mode); the weights, optimizer
         state, schedule and gradients stay as they were. False if nothing was compiled (known signature, another

@@ -288,6 +288,23 @@ def test_validate_checks_the_eval_split_before_compiling(bad_dataset: Path, tiny
     assert "Traceback" not in result.stderr and COMPILED not in result.stdout + result.stderr
 
 
+@pytest.mark.slow
+def test_validate_runs_on_the_configured_cpu_mesh(bad_dataset: Path, tiny: Any, tmp_path: Path) -> None:
+    """``mesh.cpu_devices`` (cpu.yaml: 4) reaches ``validate`` with no ``PJRT_DEVICE`` set: reading the checkpoint
+    imports rfdetr, which starts torch_xla, so the device is chosen before (it once ran on torch_xla's default, 1)."""
+    import torch
+
+    checkpoint = tmp_path / "weights.pth"
+    torch.save({"model": tiny.init_state}, checkpoint)
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
+    result = subprocess.run([sys.executable, "-m", "spmd_rfdetr", "validate", "--config", "configs/cpu.yaml",
+                             "--data.dataset_dir", str(bad_dataset), "--model.num_classes", "3",
+                             "--checkpoint", str(checkpoint)], cwd=ROOT, env=env, text=True, capture_output=True,
+                            timeout=600)
+    assert result.returncode == 2, result.stderr[-3000:]  # the bad eval split: stopped before compiling
+    assert "weights.pth on 4 CPU device(s)" in result.stderr, result.stderr[-3000:]
+
+
 def without_timing(error: pytest.ExceptionInfo[DataError]) -> str:
     """A :class:`DataError`'s message less its last ``(...)``: how long the check took, or that it was cached."""
     return str(error.value).rsplit(" (", 1)[0]

@@ -182,11 +182,11 @@ def test_fit_counters_one_graph_per_step_transfers_only_at_log_points(preempted_
 
 @job_fixture
 def eight_device_fit(inputs: JobInputs, out: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """The loop fit's config on 8 virtual devices, data 4 x fsdp 2, 4 steps, evaluated at the end (the raw weights
+    """The loop fit's config on 8 virtual devices, data 4 x fsdp 2, 4 steps, evaluated after each (the raw weights
     too: ``eval.base_model``)."""
     result = run_cli("fit", "--config", str(inputs.loop_config), "--trainer.output_dir", str(out),
                      "--trainer.max_steps", "4", "--data.per_device_batch_size", "1",
-                     "--mesh.data", "4", "--mesh.fsdp", "2", "--eval.every_steps", "4", "--eval.base_model", "true",
+                     "--mesh.data", "4", "--mesh.fsdp", "2", "--eval.every_steps", "1", "--eval.base_model", "true",
                      devices=8, env=inputs.env)
     return result, out
 
@@ -200,8 +200,10 @@ def test_fit_on_8_devices_with_fsdp_matches_4(eight_device_fit: tuple, loop_run:
     this fit's warm-up LR the near-tie reorderings of step 3 grow to 2.9e-3 there, measured 2026-12-01.) Both runs
     share batches (data order and augmentations are functions of the seed and step), the global batch (8 = 8 devices
     x data.per_device_batch_size 1 here, so that option is exercised end to end) and the LR (steps 1-4 are inside
-    the 5 warm-up steps, which do not depend on max_steps). It evaluates the sharded EMA and raw weights at the end
-    and writes last.pth with whole (gathered) weights."""
+    the 5 warm-up steps, which do not depend on max_steps). It evaluates the sharded EMA and raw weights after every
+    step, the first one too: replay's check then traces step 2 before that evaluation (a trace after it differs:
+    the run would fall back to trace mode), and puts the state back as it was (the losses above). It writes last.pth
+    with whole (gathered) weights."""
     result, tmp_path = eight_device_fit
     assert result.returncode == 0, result.stderr[-3000:]
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["data"]["global_batch_size"] == 8
@@ -212,8 +214,9 @@ def test_fit_on_8_devices_with_fsdp_matches_4(eight_device_fit: tuple, loop_run:
     for step, (ours, ref) in enumerate(zip(loss8[:3], loss4), start=1):  # from step 3 near-ties may reorder proposals
         assert abs(ours - ref) <= (1e-5 if step <= 2 else parity_tolerance(step)) * abs(ref), (loss8, loss4)
     print(f"data 4 x fsdp 2 vs 4 devices, steps 1-4: {loss8} vs {loss4}")
-    assert records[-1]["step_mode"] == "replay" and "eval/mAP" in records[-1]
-    assert "eval/raw_mAP" in records[-1]  # eval.base_model: the sharded raw weights run the EMA's eval program
+    assert [r["step_mode"] for r in records] == ["replay"] * 4 and records[-1]["step_traces"] == 2, records
+    assert all("eval/mAP" in r and "eval/raw_mAP" in r for r in records)  # eval.base_model: the sharded raw weights
+    # run the EMA's eval program
 
     from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions
     from spmd_rfdetr.model import build_model, upstream_configs

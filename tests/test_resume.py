@@ -78,9 +78,14 @@ def test_sigterm_and_a_kill_inside_a_save_lose_no_step(preempted_run: PreemptedR
     evaluated = [r for r in records[run.stopped:] if "eval/mAP" in r]
     first = records[run.stopped]
     assert first["step_mode"] == "replay" and (first["xla_new_compiles"] == 1 or first is evaluated[0]), first
+    assert all(r["step_mode"] == "replay" for r in records[run.stopped:]), "the resumed run fell back to trace mode"
     assert all(r["xla_new_compiles"] == 0 for r in records[run.stopped + 1:] if "eval/mAP" not in r), \
         "a resumed run recompiled"
-    assert len(evaluated) >= 6 and {r["xla_new_compiles"] for r in evaluated[1:]} == {10}, evaluated
+    # an evaluation at the process's first step (SIGTERM after step 5) comes before any step has replayed: the next
+    # one compiles the eval program once more (1 graph, measured 2026-12-02 on the CPU mesh)
+    again = int(first is evaluated[0])
+    assert len(evaluated) >= 6 and [r["xla_new_compiles"] for r in evaluated[1:]] == [10 + again] + [10] * (
+        len(evaluated) - 2), evaluated
     kept = [f"step_{s:08d}" for s in (LOOP_STEPS - 8, LOOP_STEPS)]
     assert sorted(p.name for p in (run.out / "checkpoints").iterdir()) == kept  # keep 2
 

@@ -238,6 +238,8 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
                     break
             if save_now:
                 saved = save_state(step)
+            if eval_now or save_now:
+                xm.wait_device_ops()  # an execution they started (e.g. the eval's weight refresh) counts as theirs
             metrics.write(record)  # after the save: its own device->host copies are not the next step's
             if stop:
                 metrics.close()

@@ -16,13 +16,18 @@ Precision = Literal["fp32", "bf16"]
 class ModelOptions:
     """Which RF-DETR to build. Fields left ``None`` keep the variant's upstream default."""
 
-    variant: Literal["nano", "small", "medium", "large", "base"] = "nano"
-    """RF-DETR size, as in ``rfdetr`` (``RFDETRNanoConfig`` ...)."""
+    variant: Literal["nano", "small", "medium", "large", "base", "seg-nano", "seg-small", "seg-medium", "seg-large",
+                     "seg-xlarge", "seg-2xlarge", "seg-preview"] = "nano"
+    """RF-DETR size, as in ``rfdetr`` (``RFDETRNanoConfig`` ...); ``seg-*`` are rfdetr's instance-segmentation models
+    (``RFDETRSegNano`` ...: a mask head, mask losses and segm mAP; the dataset needs a ``segmentation`` for every
+    annotation)."""
     resolution: int | None = None
     """Square input resolution in pixels; must divide by the variant's ``patch_size * num_windows`` (rfdetr's model
-    config: 32 for Nano/Small/Medium/Large, 56 for Base). ``None``: the variant's default."""
+    config: 32 for Nano/Small/Medium/Large, 56 for Base, 12 for Seg Nano, 24 for the other ``seg-*``). ``None``: the
+    variant's default."""
     num_queries: int | None = None
-    """Object queries per group at inference (``None``: the variant's default, 300); must be >= ``data.max_targets``."""
+    """Object queries per group at inference (``None``: the variant's default, 300; 100-300 for the ``seg-*``
+    variants); must be >= ``data.max_targets``."""
     group_detr: int | None = None
     """Query groups used during training (Group DETR); inference uses one."""
     dec_layers: int | None = None
@@ -284,7 +289,19 @@ VARIANT_CONFIGS = {
     "medium": "RFDETRMediumConfig",
     "large": "RFDETRLargeConfig",
     "base": "RFDETRBaseConfig",
+    "seg-nano": "RFDETRSegNanoConfig",
+    "seg-small": "RFDETRSegSmallConfig",
+    "seg-medium": "RFDETRSegMediumConfig",
+    "seg-large": "RFDETRSegLargeConfig",
+    "seg-xlarge": "RFDETRSegXLargeConfig",
+    "seg-2xlarge": "RFDETRSeg2XLargeConfig",
+    "seg-preview": "RFDETRSegPreviewConfig",
 }
+
+
+def is_segmentation(variant: str) -> bool:
+    """Whether ``model.variant`` is one of rfdetr's instance-segmentation models (a mask head: ``seg-*``)."""
+    return variant.startswith("seg-")
 
 
 def variant_defaults(variant: str) -> dict[str, int]:

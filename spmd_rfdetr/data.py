@@ -2,7 +2,9 @@
 
 Every batch is one dict with fixed shapes, so the training step compiles once:
 ``images`` [B, 3, R, R] uint8, ``boxes`` [B, T, 4] (normalised cxcywh), ``labels`` [B, T] int64, ``valid`` [B, T] bool,
-``image_id`` [B] int64, ``orig_size`` [B, 2] int64 (h, w), with T = ``data.max_targets``.
+``image_id`` [B] int64, ``orig_size`` [B, 2] int64 (h, w), with T = ``data.max_targets``; for the ``seg-*`` variants
+also ``masks`` [B, T, R, ceil(R/8)] uint8, each target's instance mask at the input resolution, bit-packed
+(:func:`spmd_rfdetr.masks.pack_masks`: 8x fewer bytes than rfdetr's bool masks, read on the device at points).
 
 Pixels travel as uint8, a quarter of the bytes of rfdetr's float32 input: rfdetr's transforms run on the host except
 their last two steps (``ToDtype(float32, scale=True)`` and the image half of ``Normalize``), which
@@ -47,6 +49,7 @@ from torchvision.transforms.v2 import ToDtype
 
 from spmd_rfdetr.config import DataOptions
 from spmd_rfdetr.hosts import host_rows
+from spmd_rfdetr.masks import pack_masks
 from spmd_rfdetr.model import UpstreamConfigs
 from spmd_rfdetr.quiet import library_prints
 
@@ -211,17 +214,22 @@ def check_overflow(dataset: Dataset[Any], data: DataOptions, split: str) -> None
     log.warning("%s; keeping the %d largest boxes of each (data.on_overflow=truncate)", message, data.max_targets)
 
 
-def pad_target(target: dict[str, torch.Tensor], max_targets: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(boxes [T, 4], labels [T], valid [T]) for one image; beyond ``max_targets`` the largest boxes are kept."""
-    boxes, labels = target["boxes"], target["labels"]
+def pad_target(target: dict[str, torch.Tensor], max_targets: int) -> dict[str, torch.Tensor]:
+    """``boxes [T, 4]``, ``labels [T]``, ``valid [T]`` (and packed ``masks`` when the target has masks) for one image;
+    beyond ``max_targets`` the largest boxes are kept."""
+    boxes, labels, masks = target["boxes"], target["labels"], target.get("masks")
     if len(labels) > max_targets:
         keep = torch.argsort(boxes[:, 2] * boxes[:, 3], descending=True, stable=True)[:max_targets]
         boxes, labels = boxes[keep], labels[keep]
+        masks = masks[keep] if masks is not None else None
     n = len(labels)
     padded_boxes = torch.zeros(max_targets, 4, dtype=torch.float32)
     padded_labels = torch.zeros(max_targets, dtype=torch.int64)
     padded_boxes[:n], padded_labels[:n] = boxes, labels
-    return padded_boxes, padded_labels, torch.arange(max_targets) < n
+    padded = {"boxes": padded_boxes, "labels": padded_labels, "valid": torch.arange(max_targets) < n}
+    if masks is not None:
+        padded["masks"] = pack_masks(masks, max_targets)
+    return padded
 
 
 class StaticCollate:
@@ -255,23 +263,24 @@ class StaticCollate:
                     "largest scale and each batch is resized to its bucket)"
                 )
         padded = [pad_target(t, self.max_targets) for _, t in samples]
-        return {
-            "images": torch.stack([image for image, _ in samples]),
-            "boxes": torch.stack([p[0] for p in padded]),
-            "labels": torch.stack([p[1] for p in padded]),
-            "valid": torch.stack([p[2] for p in padded]),
-            "image_id": torch.stack([t["image_id"].reshape(()).to(torch.int64) for _, t in samples]),
-            "orig_size": torch.stack([t["orig_size"].to(torch.int64) for _, t in samples]),
-        }
+        batch = {"images": torch.stack([image for image, _ in samples])}
+        batch.update({key: torch.stack([p[key] for p in padded]) for key in padded[0]})
+        batch["image_id"] = torch.stack([t["image_id"].reshape(()).to(torch.int64) for _, t in samples])
+        batch["orig_size"] = torch.stack([t["orig_size"].to(torch.int64) for _, t in samples])
+        return batch
 
 
-def blank_batch(rows: int, size: int, max_targets: int, read_at: int | None = None) -> dict[str, torch.Tensor]:
+def blank_batch(rows: int, size: int, max_targets: int, read_at: int | None = None, masks: bool = False,
+                ) -> dict[str, torch.Tensor]:
     """A host batch of zeros shaped as the train loader's batches of ``rows`` images at ``size`` (collated by
     :class:`StaticCollate` itself, so keys, shapes and dtypes match): compiling a bucket's program needs only that.
-    ``read_at``: the size a multi-scale train split reads images at (a bucket of another size is resized: float32)."""
+    ``read_at``: the size a multi-scale train split reads images at (a bucket of another size is resized: float32);
+    ``masks``: with instance masks (the ``seg-*`` variants)."""
     read_at = size if read_at is None else read_at
     target = {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64),
               "image_id": torch.zeros((), dtype=torch.int64), "orig_size": torch.tensor([read_at, read_at])}
+    if masks:
+        target["masks"] = torch.zeros(0, read_at, read_at, dtype=torch.bool)
     image = torch.zeros(3, read_at, read_at, dtype=torch.uint8)
     return StaticCollate(max_targets, read_at)([(image, target, size)] * rows)
 

@@ -39,11 +39,14 @@ from rfdetr.utilities.box_ops import (
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
+from spmd_rfdetr.masks import mask_cost, mask_losses
 from spmd_rfdetr.mesh import on_each_shard, put_rows, take_rows
 
 Solver = Literal["device", "scipy"]
 #: rfdetr's loss terms the batched criterion computes (SetCriterion's ``losses`` of every detection variant).
 BATCHED_LOSSES = frozenset({"labels", "boxes", "cardinality"})
+#: ... and of the segmentation variants (:mod:`spmd_rfdetr.masks`).
+MASK_LOSSES = BATCHED_LOSSES | {"masks"}
 #: rfdetr's focal loss exponent in ``loss_labels``.
 _GAMMA = 2
 
@@ -99,10 +102,10 @@ class StaticShapeMatcher(HungarianMatcher):
         self.unconverged: Tensor | None = None  # problems finished greedily since the last reset (device)
         self._solved: dict[int, list[tuple[Tensor, Tensor]]] = {}  # id(pred_logits) -> pairs (upstream's path)
 
-    def cost(self, logits: Tensor, boxes: Tensor, targets: dict[str, Tensor]) -> Tensor:
+    def cost(self, logits: Tensor, boxes: Tensor, targets: dict[str, Tensor], extra: Tensor | None = None) -> Tensor:
         """rfdetr's matching cost (``_compute_compact_detection_cost_matrix`` without its per-image padding and
         concatenation) for ``logits [B, Q, C]``, ``boxes [B, Q, 4]`` and padded targets: ``[B, Q, T]``, padding columns
-        at rfdetr's padded-target cost."""
+        at rfdetr's padded-target cost. ``extra [B, Q, T]``: more cost terms (the mask costs)."""
         labels, target_boxes, valid = targets["labels"], targets["boxes"], targets["valid"]
         # rfdetr's focal cost is elementwise: of every class, then each target's class row (a row lookup; an
         # element-wise gather of [B, Q, T] logits costs a memory tile per element on a TPU)
@@ -110,20 +113,33 @@ class StaticShapeMatcher(HungarianMatcher):
         bbox_cost = self._resolve_l1_cost()(boxes, target_boxes)
         giou_cost = -torch.vmap(generalized_box_iou)(box_cxcywh_to_xyxy(boxes), box_cxcywh_to_xyxy(target_boxes))
         cost = self.cost_bbox * bbox_cost + self.cost_class * class_cost + self.cost_giou * giou_cost
+        if extra is not None:
+            cost = cost + extra
         padded = torch.full((), _PADDED_TARGET_COST, dtype=cost.dtype, device=cost.device)  # not an f64 scalar input
         return torch.where(valid[:, None, :], cost, padded)
 
+    def mask_costs(self, pred_masks: list[dict[str, Tensor]], targets: dict[str, Tensor]) -> Tensor:
+        """rfdetr's weighted mask costs of ``L`` layers (one point draw each, in layer order): ``[B, L*Q, T]``."""
+        costs = []
+        for layer in pred_masks:
+            ce, dice = mask_cost(layer, targets["masks"], self.mask_point_sample_ratio)
+            costs.append(self.cost_mask_ce * ce + self.cost_mask_dice * dice)
+        return torch.stack(costs, dim=1).flatten(1, 2)
+
     @torch.no_grad()
-    def assign(self, logits: Tensor, boxes: Tensor, targets: dict[str, Tensor], group_detr: int) -> Tensor:
+    def assign(self, logits: Tensor, boxes: Tensor, targets: dict[str, Tensor], group_detr: int,
+               pred_masks: list[dict[str, Tensor]] | None = None) -> Tensor:
         """Match ``L`` layers at once: ``logits [B, L, Q, C]``, ``boxes [B, L, Q, 4]`` -> ``[B, L, G*T]`` int64, the
         query of target slot ``t`` in group ``g`` at position ``g*T + t`` (rfdetr's group DETR: each group of
-        ``Q/G`` queries is matched on its own)."""
+        ``Q/G`` queries is matched on its own). ``pred_masks``: each layer's sparse mask outputs (seg variants), whose
+        mask costs enter the cost as in rfdetr's matcher."""
         batch, layers, queries, _ = logits.shape
         slots = targets["labels"].shape[1]
         per_group = queries // group_detr
         if slots > per_group:
             raise ValueError(f"max_targets={slots} exceeds the {per_group} queries per group; lower data.max_targets")
-        cost = self.cost(logits.flatten(1, 2), boxes.flatten(1, 2), targets)  # [B, L*Q, T]
+        extra = self.mask_costs(pred_masks, targets) if pred_masks is not None else None
+        cost = self.cost(logits.flatten(1, 2), boxes.flatten(1, 2), targets, extra)  # [B, L*Q, T]
         problems = cost.reshape(batch * layers * group_detr, per_group, slots)  # image-major: each device its own
         valid = targets["valid"][:, None, :].expand(batch, layers * group_detr, slots).reshape(-1, slots)
         query = self._solve(problems, valid).view(batch, layers, group_detr, slots)
@@ -210,11 +226,14 @@ class StaticSetCriterion(torch.nn.Module):
         super().__init__()
         m = upstream.matcher
         self.matcher = StaticShapeMatcher(cost_class=m.cost_class, cost_bbox=m.cost_bbox, cost_giou=m.cost_giou,
-                                          focal_alpha=m.focal_alpha, solver=solver)
+                                          focal_alpha=m.focal_alpha, mask_point_sample_ratio=m.mask_point_sample_ratio,
+                                          cost_mask_ce=m.cost_mask_ce, cost_mask_dice=m.cost_mask_dice, solver=solver)
         upstream.matcher = self.matcher
         upstream.register_forward_pre_hook(_match_all_layers, with_kwargs=True)
         self.upstream = upstream
-        self.batched = solver == "device" and set(upstream.losses) == BATCHED_LOSSES and upstream.ia_bce_loss
+        self.masks = "masks" in upstream.losses
+        self.batched = (solver == "device" and set(upstream.losses) in (BATCHED_LOSSES, MASK_LOSSES)
+                        and upstream.ia_bce_loss)
 
     @property
     def weight_dict(self) -> dict[str, float]:
@@ -241,12 +260,17 @@ class StaticSetCriterion(torch.nn.Module):
             index = [k for k, layer in enumerate(layers) if tuple(layer["pred_logits"].shape) == shape]
             logits = torch.stack([layers[k]["pred_logits"] for k in index], dim=1)
             boxes = torch.stack([layers[k]["pred_boxes"] for k in index], dim=1)
-            query = self.matcher.assign(logits.detach(), boxes.detach(), batch, _groups(self.upstream))
+            pred_masks = [layers[k]["pred_masks"] for k in index] if self.masks else None
+            query = self.matcher.assign(logits.detach(), boxes.detach(), batch, _groups(self.upstream), pred_masks)
             terms = detection_losses(logits, boxes, query, batch, num_boxes, self.upstream.focal_alpha)
             for j, k in enumerate(index):
                 losses.update({name + suffixes[k]: value[j] for name, value in terms.items() if name != "class_error"})
                 if k == 0:
                     losses["class_error"] = terms["class_error"][j]
+                if self.masks:
+                    terms_k = mask_losses(layers[k]["pred_masks"], query[:, j], batch, num_boxes,
+                                          self.upstream.mask_point_sample_ratio)
+                    losses.update({name + suffixes[k]: value for name, value in terms_k.items()})
         return losses
 
 

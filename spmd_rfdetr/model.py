@@ -26,8 +26,8 @@ from rfdetr.models.postprocess import PostProcess
 from rfdetr.models.weights import load_pretrain_weights
 from rfdetr.training.param_groups import get_param_dict
 
-from spmd_rfdetr.config import (VARIANT_CONFIGS, ConfigError, DataOptions, ModelOptions, OptimOptions, logit_count,
-                                resolved_weights)
+from spmd_rfdetr.config import (VARIANT_CONFIGS, ConfigError, DataOptions, ModelOptions, OptimOptions,
+                                is_segmentation, logit_count, resolved_weights)
 from spmd_rfdetr.resolve import num_select_problem
 from spmd_rfdetr import xla_safe
 
@@ -87,7 +87,9 @@ def upstream_configs(model: ModelOptions, data: DataOptions, optim: OptimOptions
         model_cfg = VARIANTS[model.variant](
             pretrain_weights=resolved_weights(model), num_classes=num_classes, device="cpu", **overrides
         )
-    train_cfg = rfdetr_config.TrainConfig(
+    # rfdetr's seg models train with SegmentationTrainConfig (mask CE/dice weights 5, point ratio 16, class weight 1)
+    train_class = rfdetr_config.SegmentationTrainConfig if is_segmentation(model.variant) else rfdetr_config.TrainConfig
+    train_cfg = train_class(
         dataset_dir=data.dataset_dir,
         dataset_file=data.dataset_format,
         output_dir=".",

@@ -7,8 +7,8 @@ import logging
 import os
 import sys
 
-from spmd_rfdetr.config import (AUTO_WEIGHTS, ConfigError, ModelOptions, RunConfig, logit_count, published_weights,
-                                resolved_weights, variant_defaults)
+from spmd_rfdetr.config import (AUTO_WEIGHTS, ConfigError, ModelOptions, RunConfig, is_segmentation, logit_count,
+                                published_weights, resolved_weights, variant_defaults)
 
 _warned: set[str] = set()  # warnings resolve_and_check has given in this process (each is given once)
 
@@ -107,6 +107,7 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
     problems += _model_problems(cfg)
     cfg.model.pretrain_weights = resolved_weights(cfg.model)  # auto: the variant's published file, as config.yaml says
     problems += _scale_problems(cfg)
+    problems += _segmentation_problems(cfg)
     mesh_ok = cfg.mesh.data == -1 or cfg.mesh.data >= 1
     if not mesh_ok:
         problems.append(f"mesh.data={cfg.mesh.data} must be >= 1, or -1 for every device")
@@ -276,6 +277,23 @@ def _scale_problems(cfg: RunConfig) -> list[str]:
     if wrong or not d.scales:
         return [f"data.scales={d.scales}: use some of rfdetr's scales for this model, {allowed}"]
     return []
+
+
+def _segmentation_problems(cfg: RunConfig) -> list[str]:
+    """What the ``seg-*`` variants do not train with (yet): each an error naming the setting to change."""
+    if not is_segmentation(cfg.model.variant):
+        return []
+    variant, problems = cfg.model.variant, []
+    if cfg.trainer.matcher == "scipy":
+        problems.append(f"trainer.matcher=scipy with model.variant={variant}: rfdetr's own mask loss refuses padded "
+                        "targets (SetCriterion.loss_masks); use trainer.matcher=device")
+    if cfg.data.multi_scale:
+        problems.append(f"data.multi_scale with model.variant={variant}: the instance masks are not resized per "
+                        "batch yet; set data.multi_scale=false")
+    if cfg.trainer.compile_backend == "openxla":
+        problems.append(f"trainer.compile_backend=openxla with model.variant={variant} is not supported yet; use "
+                        "trainer.compile_backend=torch_xla")
+    return problems
 
 
 def _model_problems(cfg: RunConfig) -> list[str]:

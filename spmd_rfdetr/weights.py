@@ -36,7 +36,9 @@ ARCHITECTURE = ("variant", "resolution", "num_queries", "group_detr", "dec_layer
 MACHINE_SECTIONS = ("mesh",)
 #: rfdetr's class name per variant (``model_name`` in rfdetr's own checkpoints).
 RFDETR_CLASSES = {"nano": "RFDETRNano", "small": "RFDETRSmall", "medium": "RFDETRMedium", "large": "RFDETRLarge",
-                  "base": "RFDETRBase"}
+                  "base": "RFDETRBase", "seg-nano": "RFDETRSegNano", "seg-small": "RFDETRSegSmall",
+                  "seg-medium": "RFDETRSegMedium", "seg-large": "RFDETRSegLarge", "seg-xlarge": "RFDETRSegXLarge",
+                  "seg-2xlarge": "RFDETRSeg2XLarge", "seg-preview": "RFDETRSegPreview"}
 
 
 @dataclass

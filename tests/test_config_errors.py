@@ -75,6 +75,15 @@ CASES = {
     "num_select_logits": (edited(model={"num_classes": 1}, eval={"num_select": 601}), None,
                           "eval.num_select=601 is more than the 600 logits the model outputs per image (its 300 "
                           "queries x (num_classes 1 + 1)): use at most 600"),
+    "seg_scipy": (edited(model={"variant": "seg-nano"}, trainer={"matcher": "scipy"}), None,
+                  "trainer.matcher=scipy with model.variant=seg-nano: rfdetr's own mask loss refuses padded targets"),
+    "seg_multi_scale": (edited(model={"variant": "seg-nano"}, data={"multi_scale": True}), None,
+                        "data.multi_scale with model.variant=seg-nano: the instance masks are not resized per batch "
+                        "yet; set data.multi_scale=false"),
+    "seg_openxla": (edited(model={"variant": "seg-small"}, trainer={"compile_backend": "openxla"}), None,
+                    "trainer.compile_backend=openxla with model.variant=seg-small is not supported yet"),
+    "seg_resolution": (edited(model={"variant": "seg-small", "resolution": 300}), None,
+                       "model.resolution=300 must be a multiple of 24 for model.variant=seg-small"),
     "eval_batch": (edited(eval={"global_batch_size": 0}), None, "eval.global_batch_size=0 must be >= 1"),
     "eval_batch_axis": (edited(eval={"global_batch_size": 10}), 4,
                         "eval.global_batch_size=10 does not divide by the data axis (4 devices)"),
@@ -96,6 +105,7 @@ def test_valid_configs_pass() -> None:
         resolve_and_check(edited()(), device_count)
     resolve_and_check(edited(mesh={"data": 2}, eval={"global_batch_size": 6})(), 4)  # 8 and 6 divide by 2
     resolve_and_check(edited(eval={"every_epochs": 0.5, "early_stopping": True})(), 4)
+    resolve_and_check(edited(model={"variant": "seg-nano", "resolution": 96})(), 4)
 
 
 def test_eval_every_epochs_counts_in_the_steps_trainer_epochs_uses() -> None:

@@ -200,7 +200,7 @@ def test_plan_verb_prints_every_variant(capsys):
     out = capsys.readouterr().out
     assert "mesh data=2 x fsdp=4" in out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
-    assert [r.split("|")[1].strip() for r in rows] == ["nano", "small", "medium", "large", "base"]
+    assert [r.split("|")[1].strip() for r in rows] == list(VARIANT_CONFIGS)
     assert all(0.25 < float(r.split("|")[-2]) < 0.27 for r in rows)
 
 

@@ -10,57 +10,81 @@ from hypothesis import strategies as st
 
 from spmd_rfdetr.data import StaticCollate, pad_target
 from spmd_rfdetr.evaluate import EvalBatches, EvalCollate
+from spmd_rfdetr.masks import unpack_masks
 
 unit = st.floats(0.0, 1.0, allow_nan=False, width=32)
 
 
 @st.composite
-def targets(draw: st.DrawFn, max_objects: int) -> dict[str, torch.Tensor]:
-    """An rfdetr target after its transforms: normalised cxcywh boxes, any class ids, an original size."""
+def targets(draw: st.DrawFn, max_objects: int, mask_size: int | None = None) -> dict[str, torch.Tensor]:
+    """An rfdetr target after its transforms: normalised cxcywh boxes, any class ids, an original size; with
+    ``mask_size`` also random bool instance masks (a seg variant's ``masks``)."""
     n = draw(st.integers(0, max_objects))
     boxes = torch.tensor(draw(st.lists(st.tuples(unit, unit, unit, unit), min_size=n, max_size=n)),
                          dtype=torch.float32).reshape(n, 4)
     labels = torch.tensor(draw(st.lists(st.integers(0, 10_000), min_size=n, max_size=n)), dtype=torch.int64)
     size = draw(st.tuples(st.integers(1, 4000), st.integers(1, 4000)))
-    return {"boxes": boxes, "labels": labels, "image_id": torch.tensor([draw(st.integers(0, 2**31))]),
-            "orig_size": torch.tensor(size)}
+    target = {"boxes": boxes, "labels": labels, "image_id": torch.tensor([draw(st.integers(0, 2**31))]),
+              "orig_size": torch.tensor(size)}
+    if mask_size is not None:
+        seed = draw(st.integers(0, 2**31))
+        target["masks"] = torch.rand(n, mask_size, mask_size, generator=torch.Generator().manual_seed(seed)) > 0.5
+    return target
 
 
-def check_row(target: dict[str, torch.Tensor], boxes: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
-              cap: int) -> None:
-    """One padded row against its target: exact valid mask, every object kept under the cap, the largest over it."""
+def check_row(target: dict[str, torch.Tensor], row: dict[str, torch.Tensor], cap: int) -> None:
+    """One padded row against its target: exact valid mask, every object kept under the cap, the largest over it, each
+    with its own label (and mask)."""
+    boxes, labels, valid = row["boxes"], row["labels"], row["valid"]
     n, kept = len(target["labels"]), min(len(target["labels"]), cap)
     assert boxes.shape == (cap, 4) and labels.shape == (cap,) and valid.shape == (cap,)
     assert boxes.dtype == torch.float32 and labels.dtype == torch.int64 and valid.dtype == torch.bool
     assert torch.equal(valid, torch.arange(cap) < kept)
     assert not boxes[~valid].any() and not labels[~valid].any()  # padding is zeros
     assert ((boxes >= 0) & (boxes <= 1)).all()
+    assert ("masks" in row) == ("masks" in target)
+    masks = target.get("masks", torch.zeros(n, 1, 1, dtype=torch.bool))
+    row_masks = torch.zeros(cap, 1, 1, dtype=torch.bool)
+    if "masks" in row:
+        size = masks.shape[-1]
+        assert row["masks"].shape == (cap, size, (size + 7) // 8) and row["masks"].dtype == torch.uint8
+        row_masks = unpack_masks(row["masks"], size)
+        assert not row_masks[~valid].any()
     if n <= cap:
         assert torch.equal(boxes[:n], target["boxes"]) and torch.equal(labels[:n], target["labels"])
-    else:  # the cap's worth of largest boxes, each with its own label
+        assert torch.equal(row_masks[:n], masks) or "masks" not in row
+    else:  # the cap's worth of largest boxes, each with its own label and mask
         areas = target["boxes"][:, 2] * target["boxes"][:, 3]
         assert torch.equal(torch.sort(boxes[:, 2] * boxes[:, 3]).values, torch.sort(areas.topk(cap).values).values)
-        pairs = {(tuple(b.tolist()), int(c)) for b, c in zip(target["boxes"], target["labels"])}
-        assert all((tuple(b.tolist()), int(c)) in pairs for b, c in zip(boxes, labels))
+        objects = {(tuple(b.tolist()), int(c), m.numpy().tobytes())
+                   for b, c, m in zip(target["boxes"], target["labels"], masks)}
+        assert all((tuple(b.tolist()), int(c), m.numpy().tobytes()) in objects
+                   for b, c, m in zip(boxes, labels, row_masks))
 
 
 @settings(max_examples=200, deadline=None)
-@given(cap=st.integers(1, 12), data=st.data())
-def test_pad_target_is_static_and_exact(cap: int, data: st.DataObject) -> None:
-    target = data.draw(targets(max_objects=2 * cap + 2))
-    check_row(target, *pad_target(target, cap), cap)
+@given(cap=st.integers(1, 12), mask_size=st.sampled_from([None, 5, 16]), data=st.data())
+def test_pad_target_is_static_and_exact(cap: int, mask_size: int | None, data: st.DataObject) -> None:
+    target = data.draw(targets(max_objects=2 * cap + 2, mask_size=mask_size))
+    check_row(target, pad_target(target, cap), cap)
 
 
 @settings(max_examples=60, deadline=None)
-@given(cap=st.integers(1, 8), batch=st.integers(1, 4), resolution=st.sampled_from([8, 16]), data=st.data())
-def test_static_collate_shapes_never_change(cap: int, batch: int, resolution: int, data: st.DataObject) -> None:
-    samples = [(torch.rand(3, resolution, resolution), data.draw(targets(max_objects=2 * cap))) for _ in range(batch)]
+@given(cap=st.integers(1, 8), batch=st.integers(1, 4), resolution=st.sampled_from([8, 16]), masks=st.booleans(),
+       data=st.data())
+def test_static_collate_shapes_never_change(cap: int, batch: int, resolution: int, masks: bool,
+                                            data: st.DataObject) -> None:
+    mask_size = resolution if masks else None
+    samples = [(torch.rand(3, resolution, resolution), data.draw(targets(max_objects=2 * cap, mask_size=mask_size)))
+               for _ in range(batch)]
     out = StaticCollate(cap, resolution)(samples)
-    assert {k: tuple(v.shape) for k, v in out.items()} == {
-        "images": (batch, 3, resolution, resolution), "boxes": (batch, cap, 4), "labels": (batch, cap),
-        "valid": (batch, cap), "image_id": (batch,), "orig_size": (batch, 2)}
+    expected = {"images": (batch, 3, resolution, resolution), "boxes": (batch, cap, 4), "labels": (batch, cap),
+                "valid": (batch, cap), "image_id": (batch,), "orig_size": (batch, 2)}
+    if masks:
+        expected["masks"] = (batch, cap, resolution, resolution // 8)
+    assert {k: tuple(v.shape) for k, v in out.items()} == expected
     for i, (image, target) in enumerate(samples):
-        check_row(target, out["boxes"][i], out["labels"][i], out["valid"][i], cap)
+        check_row(target, {key: value[i] for key, value in out.items()}, cap)
         assert torch.equal(out["images"][i], image) and int(out["image_id"][i]) == int(target["image_id"])
         assert torch.equal(out["orig_size"][i], target["orig_size"])
 

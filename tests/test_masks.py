@@ -1,0 +1,161 @@
+"""The seg variants' mask cost and losses (:mod:`spmd_rfdetr.masks`) against upstream rfdetr's own matcher and
+``SetCriterion.loss_masks`` on the same model outputs and the same random point draws (eager CPU)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions
+from spmd_rfdetr.data import pad_target
+from spmd_rfdetr.loss import build_criterion, total_loss
+from spmd_rfdetr.masks import pack_masks, sample_targets, unpack_masks
+from spmd_rfdetr.model import build_model, build_upstream_criterion, upstream_configs
+
+RESOLUTION, SLOTS, CLASSES = 48, 4, 3
+
+
+def seg_targets(counts: list[int], generator: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """rfdetr targets after its transforms: boxes in normalised cxcywh and each object's mask, a filled ellipse
+    inside its box at the input resolution."""
+    targets = []
+    ys, xs = torch.meshgrid(torch.arange(RESOLUTION) + 0.5, torch.arange(RESOLUTION) + 0.5, indexing="ij")
+    for n in counts:
+        centre = torch.rand(n, 2, generator=generator) * 0.5 + 0.25
+        size = torch.rand(n, 2, generator=generator) * 0.3 + 0.15
+        boxes = torch.cat([centre, size], dim=1)
+        cx, cy = (centre * RESOLUTION).T[:, :, None, None]
+        rx, ry = (size * RESOLUTION / 2).T[:, :, None, None]
+        masks = ((xs - cx) / rx) ** 2 + ((ys - cy) / ry) ** 2 <= 1
+        targets.append({"boxes": boxes, "labels": torch.randint(0, CLASSES, (n,), generator=generator),
+                        "masks": masks})
+    return targets
+
+
+class Draws:
+    """``torch.rand`` replaced: records upstream's draws, then serves them to our criterion re-ordered."""
+
+    def __init__(self) -> None:
+        self.recorded: list[torch.Tensor] = []
+        self.served: list[torch.Tensor] = []
+
+    @contextmanager
+    def record(self) -> Iterator[None]:
+        rand = torch.rand
+
+        def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
+            out = rand(*args, **kwargs)
+            self.recorded.append(out.clone())
+            return out
+
+        torch.rand = recording
+        try:
+            yield
+        finally:
+            torch.rand = rand
+
+    @contextmanager
+    def serve(self, draws: list[torch.Tensor]) -> Iterator[None]:
+        rand, queue = torch.rand, list(draws)
+
+        def serving(*shape: Any, **kwargs: Any) -> torch.Tensor:
+            out = queue.pop(0)
+            assert tuple(out.shape) == tuple(shape), (out.shape, shape)
+            self.served.append(out)
+            return out
+
+        torch.rand = serving
+        try:
+            yield
+            assert not queue, f"{len(queue)} draws left unused"
+        finally:
+            torch.rand = rand
+
+
+def ours_from_upstream(draws: list[torch.Tensor], pairs: list[list[tuple[torch.Tensor, torch.Tensor]]],
+                       batch: int, groups: int, per_group: int) -> list[torch.Tensor]:
+    """Upstream's draws in the order our criterion draws them (both: every layer's matcher draw, then each layer's two
+    loss draws), the loss draws' rows as our matches ``[B, G, T]``: upstream's row of pair (image, query, target) goes
+    to row ``image*G*T + (query // per_group)*T + target``; padding rows get fresh random values."""
+    layers = len(pairs)
+    cost_draws, loss_draws = draws[:layers], []
+    for k in range(layers):
+        rows = [(i, int(q) // per_group * SLOTS + int(t)) for i, (qs, ts) in enumerate(pairs[k]) for q, t in zip(qs, ts)]
+        index = torch.tensor([i * groups * SLOTS + r for i, r in rows])
+        for upstream in draws[layers + 2 * k: layers + 2 * k + 2]:
+            ours = torch.rand(batch * groups * SLOTS, *upstream.shape[1:])
+            ours[index] = upstream
+            loss_draws.append(ours)
+    return cost_draws + loss_draws
+
+
+@pytest.mark.parametrize("counts", [[3, 1], [4, 0]])
+def test_seg_losses_and_gradients_equal_upstream(counts: list[int]) -> None:
+    """Loss terms (with the two mask losses of every layer) and gradients of the static criterion equal upstream's
+    ``SetCriterion`` on the unpadded targets (its matcher with the mask cost, its ``loss_masks``) to 1e-5, given the
+    same point draws; the matching of every layer is the same too."""
+    torch.manual_seed(0)
+    model_options = ModelOptions(variant="seg-nano", resolution=RESOLUTION, num_queries=8, group_detr=2, dec_layers=2,
+                                 backbone_blocks=2, pretrain_weights=None)
+    cfgs = upstream_configs(model_options, DataOptions(max_targets=SLOTS), OptimOptions(), num_classes=CLASSES)
+    net = build_model(cfgs).train()
+    reference, _ = build_upstream_criterion(cfgs)
+    ours = build_criterion(build_upstream_criterion(cfgs)[0])
+    assert ours.batched and ours.masks
+    reference.train(), ours.train()
+    generator = torch.Generator().manual_seed(1)
+    targets = seg_targets(counts, generator)
+    outputs = net(torch.randn(len(counts), 3, RESOLUTION, RESOLUTION, generator=generator))
+
+    pairs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    match = reference.matcher.forward
+
+    def recording_match(*args: Any, **kwargs: Any) -> Any:
+        pairs.append(match(*args, **kwargs))
+        return pairs[-1]
+
+    reference.matcher.forward = recording_match
+    draws = Draws()
+    with draws.record():
+        expected = reference(outputs, targets)
+    layers = 1 + len(outputs["aux_outputs"]) + 1
+    assert len(pairs) == layers and len(draws.recorded) == 3 * layers
+
+    padded = [pad_target(t, SLOTS) for t in targets]
+    batch = {key: torch.stack([p[key] for p in padded]) for key in padded[0]}
+    groups, per_group = net.group_detr, outputs["pred_logits"].shape[1] // net.group_detr
+    with draws.serve(ours_from_upstream(draws.recorded, pairs, len(counts), groups, per_group)):
+        got = ours(outputs, batch)
+    assert set(got) == set(expected) and any(k.startswith("loss_mask_dice") for k in got)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+    params = [p for p in net.parameters() if p.requires_grad]
+    want = torch.autograd.grad(total_loss(expected, reference.weight_dict), params, retain_graph=True,
+                               allow_unused=True)
+    have = torch.autograd.grad(total_loss(got, ours.weight_dict), params, allow_unused=True)
+    used = [(w, h) for w, h in zip(want, have) if w is not None]
+    assert len(used) > 100 and all(h is not None for w, h in zip(want, have) if w is not None)
+    for w, h in used:
+        torch.testing.assert_close(h, w, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_masks_sample_as_rfdetr_nearest_point_sample() -> None:
+    """Bit-packed target masks read at points equal rfdetr's ``point_sample(mode="nearest")`` of the bool masks,
+    at random points and at exact pixel-centre ties."""
+    from rfdetr.models.heads.segmentation import point_sample
+
+    generator = torch.Generator().manual_seed(3)
+    for size in (12, 13, 40):
+        masks = torch.rand(2, 3, size, size, generator=generator) > 0.5
+        packed = torch.stack([pack_masks(m, 3) for m in masks])
+        assert torch.equal(unpack_masks(packed, size), masks)
+        ties = (torch.randint(0, 2 * size + 1, (2, 3, 20, 2), generator=generator) / (2 * size))
+        coords = torch.cat([torch.rand(2, 3, 50, 2, generator=generator), ties], dim=2)
+        want = point_sample(masks.flatten(0, 1)[:, None].float(), coords.flatten(0, 1)[:, :, None],
+                            align_corners=False, mode="nearest")
+        assert torch.equal(sample_targets(packed, coords), want.view(2, 3, -1))

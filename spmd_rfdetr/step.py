@@ -57,6 +57,9 @@ from spmd_rfdetr.replay import Lowered, Replayer, ReplayUnsafe, replicate_unanno
 
 log = logging.getLogger(__name__)
 
+#: The final layer's loss terms each log point records (the mask terms only for the seg variants).
+LOGGED_LOSSES = ("loss_ce", "loss_bbox", "loss_giou", "loss_mask_ce", "loss_mask_dice")
+
 StepMode = Literal["replay", "trace", "openxla"]
 
 
@@ -224,7 +227,7 @@ class TrainStep:
             self.ema.update()
         stats = {"loss": loss.detach(), "grad_norm": grad_norm.detach(), "lr": lr.to(loss.device),
                  "nonfinite_steps": self.nonfinite_steps.clone(), "first_nonfinite_step": self.first_nonfinite.clone()}
-        stats.update({k: v.detach() for k, v in loss_dict.items() if k in ("loss_ce", "loss_bbox", "loss_giou")})
+        stats.update({k: v.detach() for k, v in loss_dict.items() if k in LOGGED_LOSSES})
         unconverged = getattr(matcher, "unconverged", None)
         if unconverged is not None:
             stats["matcher_unconverged"] = unconverged

@@ -10,7 +10,8 @@ non-image files; malformed COCO JSON or YOLO label lines; boxes of zero/negative
 missing from the category list (for valid/test: from the train split's label mapping, which rfdetr reuses); labels at
 or above ``model.num_classes`` (on XLA an out-of-range class index is clamped, so training would silently learn the
 wrong class); images over ``data.max_targets`` under ``data.on_overflow=error``; empty splits. Images without
-annotations are allowed (negatives) and counted.
+annotations are allowed (negatives) and counted. For a ``seg-*`` model, every object's mask too
+(:mod:`spmd_rfdetr.mask_checks`).
 
 Start-up that scales: ``data.check`` chooses how much is read (``full``: annotations and every image header;
 ``annotations``: no image opened; ``off``); images are opened on :data:`THREADS` threads; on several hosts host 0
@@ -34,8 +35,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from spmd_rfdetr import check_cache, hosts
-from spmd_rfdetr.config import ConfigError, RunConfig
+from spmd_rfdetr import check_cache, hosts, mask_checks
+from spmd_rfdetr.config import ConfigError, RunConfig, is_segmentation
 from spmd_rfdetr.dataset_files import Entry, Finding, SplitData, inspect_image, layout_of, read_split
 from spmd_rfdetr.resolve import evaluates_in_fit
 
@@ -65,6 +66,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "overflow": ("more objects than data.max_targets", ""),
     "empty_split": ("split has no usable images", "point data.dataset_dir at a dataset whose split has images"),
     "too_few_images": ("fewer train images than one batch", "lower data.global_batch_size or add images"),
+    **mask_checks.MASK_KINDS,
 }
 SHOWN_PER_KIND = 20  # findings listed per kind; the rest are counted
 OUTSIDE_TOLERANCE_PX = 1.0  # exports round box corners: this much past the edge is not a finding
@@ -222,6 +224,8 @@ def _report(cfg: RunConfig, splits: list[str], training: bool, images: str | Non
     """The check's report: cached when the annotations and settings are unchanged (dataset splits only), else made."""
     start = time.perf_counter()
     key = check_cache.fingerprint(cfg, splits, training) if splits and images is None else None
+    if key and is_segmentation(cfg.model.variant):  # the mask findings: a key of their own
+        key = mask_checks.cache_key(key)
     cached = check_cache.load(key) if key else None
     if cached:
         try:
@@ -306,6 +310,7 @@ def _check_split(report: DataReport, data: SplitData, cfg: RunConfig, layout: st
 
     summary, split, d = SplitSummary(data.split, data.readable), data.split, cfg.data
     counts: dict[str, int] = {}
+    sizes: dict[str, tuple[int, int] | None] | None = {} if is_segmentation(cfg.model.variant) else None
     paths = {entry.name: entry.path for entry in data.entries}
     for entry in data.entries:
         real = [box for box in entry.boxes if not box.crowd]
@@ -320,6 +325,10 @@ def _check_split(report: DataReport, data: SplitData, cfg: RunConfig, layout: st
         summary.negatives += int(not real)
         for box in real:
             report.findings += _box_findings(box, entry, size, data, cfg, train)
+        if sizes is not None:
+            sizes[entry.name] = size
+    if sizes is not None and layout != "yolo":  # YOLO: rfdetr's own line parser (checked above) reads the polygons
+        report.findings = mask_checks.merge(report.findings, mask_checks.mask_findings(data, sizes, train=train))
     overflow = count_overflow(counts, d.max_targets)
     if overflow.files and d.on_overflow == "error":
         report.findings += [Finding(split, str(paths[name]), "overflow", f"{counts[name]} objects, "

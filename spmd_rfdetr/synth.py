@@ -6,7 +6,11 @@ classes are ids ``1..N`` with ``supercategory: "shapes"``. rfdetr's reader drops
 (``rfdetr.datasets.coco.filter_parent_categories``), so labels are ``0..N-1`` and the inferred class count is ``N``.
 
 Each object is a flat-coloured shape in its own grid cell with a gap of at least 2 px to its neighbours, so shapes
-never touch or occlude and every box is the exact tight bounding box of the shape's drawn pixels.
+never touch or occlude and every box is the exact tight bounding box of the shape's drawn pixels. Each annotation's
+``segmentation`` is the shape's drawn pixels, exactly, as a compressed COCO RLE (``{"size": [H, W], "counts": str}``):
+rfdetr's segmentation reader (``rfdetr.datasets.coco.convert_coco_poly_to_mask``) and pycocotools (``annToMask``,
+``COCOeval``) decode it as is, and unlike a polygon it keeps a ring's hole and every edge pixel. ``area`` stays the
+box's ``w * h`` (what detection runs have always read).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
+from pycocotools import mask as coco_mask
 
 from spmd_rfdetr.config import ConfigError
 
@@ -106,6 +111,12 @@ def render_image(
     return SynthImage(pixels, labels, np.stack(masks), boxes)
 
 
+def rle(mask: np.ndarray) -> dict[str, object]:
+    """The exact compressed COCO RLE of a (H, W) bool mask, its ``counts`` a str so that it can be written as JSON."""
+    encoded = coco_mask.encode(np.asfortranarray(mask, dtype=np.uint8))
+    return {"size": [int(v) for v in encoded["size"]], "counts": encoded["counts"].decode("ascii")}
+
+
 def categories(num_classes: int) -> list[dict[str, object]]:
     """Roboflow-style COCO categories: the unannotated root (id 0) and classes ``1..num_classes``."""
     root = {"id": 0, "name": SUPERCATEGORY, "supercategory": "none"}
@@ -148,7 +159,7 @@ def synth(
     seed: int = 0,
     min_objects: int = 1,
 ) -> Path:
-    """Write a synthetic shapes detection dataset in Roboflow COCO layout.
+    """Write a synthetic shapes dataset in Roboflow COCO layout: boxes and exact masks (RLE ``segmentation``).
 
     Args:
         output_dir: Dataset root to create; must not exist or be an empty directory. Gets ``train/``, ``valid/`` and
@@ -184,10 +195,10 @@ def synth(
             file_name = f"{split}_{index:06d}.jpg"
             Image.fromarray(image.pixels).save(root / split / file_name, "JPEG", quality=95, subsampling=0)
             images.append({"id": index, "file_name": file_name, "width": image_size, "height": image_size})
-            for label, box in zip(image.labels, image.boxes):
+            for label, box, mask in zip(image.labels, image.boxes, image.masks):
                 # Annotation ids start at 1: pycocotools' COCOeval reads a matched id of 0 as "unmatched".
                 annotations.append({"id": len(annotations) + 1, "image_id": index, "category_id": label + 1,
-                                    "bbox": box, "area": box[2] * box[3], "iscrowd": 0, "segmentation": []})
+                                    "bbox": box, "area": box[2] * box[3], "iscrowd": 0, "segmentation": rle(mask)})
         coco = {"info": {"description": "spmd_rfdetr synthetic shapes", "version": "1"},
                 "categories": categories(num_classes), "images": images, "annotations": annotations}
         (root / split / "_annotations.coco.json").write_text(json.dumps(coco), encoding="utf-8")

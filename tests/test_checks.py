@@ -17,10 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from spmd_rfdetr import config, resolve
-from spmd_rfdetr.checks import DataError, check_data
+from spmd_rfdetr.checks import KINDS, DataError, check_data
 from spmd_rfdetr.cli import main
 from spmd_rfdetr.config import ConfigError, DataOptions, EvalOptions, ModelOptions, RunConfig
 from spmd_rfdetr.resolve import resolve_and_check
@@ -435,3 +436,119 @@ def test_host_0_checks_and_the_other_host_gets_its_report(tmp_path: Path) -> Non
     assert not (tmp_path / "cache1" / "spmd_rfdetr").exists()
     assert host0["failed"].startswith("ZeroDivisionError: ")  # host 0's own error; the other host is told
     assert host1["failed"].startswith("RuntimeError: host 0 failed")
+
+
+def seg_cfg(root: Path, **data: object) -> RunConfig:
+    """:func:`tiny_cfg` of a seg-* model: the data check looks at every object's mask too."""
+    cfg = tiny_cfg(root, **data)
+    cfg.model.variant, cfg.model.resolution = "seg-nano", 96
+    return cfg
+
+
+#: One mask problem per train image (the image's first annotation): what is done to it, what the report says.
+MASK_PROBLEMS: dict[int, tuple[Any, str]] = {
+    1: ("delete", "no 'segmentation' on train_000001.jpg (64x64)"),
+    2: ([], "'segmentation' is [] on train_000002.jpg (64x64)"),
+    3: ([[1, 1, 9, 9]], "polygon 0 has 2 point(s), a polygon needs >= 3 on train_000003.jpg"),
+    4: ([[1, 1, 9, 1, 9, 9, 3]], "polygon 0 has an odd number of coordinates (7): one lacks its pair"),
+    5: ([[1, 1, 5, 5, 9, 9]], "the polygon(s) have zero area (an empty mask) on train_000005.jpg"),
+    6: ([[-5, 2, 30, 2, 30, 70]], "polygon points span x -5..30, y 2..70 on train_000006.jpg (64x64)"),
+    7: ("half", "RLE size [32, 64] ([height, width]), the image is [64, 64] on train_000007.jpg (64x64)"),
+    9: ("no size", "a mask, but its box [3, 4, 3, 9] (x1 y1 x2 y2) has no size on train_000009.jpg (64x64)"),
+    10: ("no bbox", "a mask, but no 'bbox' on train_000010.jpg"),
+    11: ({"size": [64, 64], "counts": [5, 10, 5]}, "RLE 'counts' cover 20 pixels, its size [64, 64] has 4096"),
+    12: ({"size": [64, 64], "counts": "0`"}, "RLE 'counts' unreadable (ends inside a number)"),
+}
+MASK_KIND_COUNTS = {"missing_mask": 2, "bad_mask": 5, "mask_outside": 1, "mask_size": 1, "mask_without_box": 2}
+
+
+def mask_dataset(root: Path, images: tuple[int, ...] = tuple(MASK_PROBLEMS)) -> list[str]:
+    """The synthetic dataset with the mask problems of ``images`` (:data:`MASK_PROBLEMS`); returns the report lines."""
+    from spmd_rfdetr.synth import rle
+
+    ann_file, coco = small_dataset(root)
+    lines = []
+    for image in images:
+        change, detail = MASK_PROBLEMS[image]
+        ann = first_annotation(coco, image)
+        if change == "delete":
+            del ann["segmentation"]
+        elif change == "half":
+            ann["segmentation"] = rle(np.ones((32, 64), dtype=bool))
+        elif change == "no size":
+            ann["bbox"] = [3, 4, 0, 5]
+        elif change == "no bbox":
+            del ann["bbox"]
+        else:
+            ann["segmentation"] = change
+        lines.append(f"[train] train/_annotations.coco.json (annotation {ann['id']}): {detail}")
+    ann_file.write_text(json.dumps(coco))
+    return lines
+
+
+def test_synth_masks_pass_the_seg_check(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    small_dataset(root)
+    for check in ("full", "annotations"):
+        report = check_data(seg_cfg(root, check=check))
+        assert report.findings == [] and "train: 16 images" in report.summary()
+
+
+def test_seg_check_reports_every_mask_problem(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    lines = mask_dataset(root)
+    with pytest.raises(DataError) as error:
+        check_data(seg_cfg(root))
+    message = str(error.value)
+    for line in lines:
+        assert line in message, line
+    assert f"{len(lines)} problem(s)" in message  # one message per annotation: no box finding said twice
+    for kind, count in MASK_KIND_COUNTS.items():
+        assert f"{KINDS[kind][0]} ({count}): fix: {KINDS[kind][1]}" in message, kind
+    assert "box of zero or negative size" not in message and "missing 'bbox'" not in message
+    with pytest.raises(DataError) as error:  # a detector reads no mask: only the box problems, as before
+        check_data(tiny_cfg(root))
+    message = str(error.value)
+    assert "2 problem(s)" in message and "box of zero or negative size (1)" in message
+    assert "): missing 'bbox'" in message and "mask" not in message
+
+
+def test_seg_check_on_bad_skip_lets_rfdetr_clip_and_drop(tmp_path: Path) -> None:
+    """A polygon past the edge (clipped) and a mask whose box has no size (dropped) are skippable in the train split;
+    a missing mask is not."""
+    root = tmp_path / "data"
+    lines = mask_dataset(root, images=(6, 9))
+    with pytest.raises(DataError, match=r"2 problem\(s\)"):
+        check_data(seg_cfg(root))
+    report = check_data(seg_cfg(root, on_bad="skip"))
+    assert sorted(f.kind for f in report.skipped) == ["mask_outside", "mask_without_box"]
+    assert all(line in report.describe(report.skipped) for line in lines)
+    assert report.skipped_images("train") == set()  # every image is trained on
+    missing = tmp_path / "missing"
+    mask_dataset(missing, images=(1,))
+    with pytest.raises(DataError, match="no 'segmentation' on train_000001.jpg"):
+        check_data(seg_cfg(missing, on_bad="skip"))
+
+
+def test_a_detector_cached_check_does_not_answer_for_a_seg_model(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    mask_dataset(root, images=(2,))
+    assert check_data(tiny_cfg(root)).findings == []  # cached: this dataset has no problem for a detector
+    assert check_data(tiny_cfg(root)).took.startswith("cached, ")
+    with pytest.raises(DataError, match=r"'segmentation' is \[\] on train_000002.jpg"):
+        check_data(seg_cfg(root))
+    with pytest.raises(DataError, match=r"\(cached, "):
+        check_data(seg_cfg(root))
+
+
+@pytest.mark.slow
+def test_check_data_cli_reports_mask_problems(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    lines = mask_dataset(root)
+    result = run_cli("check-data", "--config", "configs/cpu.yaml", "--data.dataset_dir", str(root),
+                     "--model.variant", "seg-nano", "--model.resolution", "96")
+    assert result.returncode == 2, result.stderr[-3000:]
+    for line in lines:
+        assert line in result.stderr, line
+    assert f"{len(lines)} problem(s)" in result.stderr
+    assert "Traceback" not in result.stderr and COMPILED not in result.stdout + result.stderr

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 from pycocotools.coco import COCO
 
-from spmd_rfdetr.synth import COLOURS, SPLITS, render_image, synth
+from spmd_rfdetr.synth import COLOURS, SHAPES, SPLITS, render_image, synth
 
 SMALL = dict(train_images=6, valid_images=3, test_images=2, image_size=96, num_classes=4, max_objects=5)
 
@@ -65,6 +65,53 @@ def test_rfdetr_reader(dataset: Path) -> None:
             want = [[(x + w / 2) / 96, (y + h / 2) / 96, w / 96, h / 96] for x, y, w, h in (a["bbox"] for a in anns)]
             np.testing.assert_allclose(target["boxes"].numpy(), want, atol=1e-5)
             assert target["labels"].tolist() == [a["category_id"] - 1 for a in anns]
+
+
+def test_masks_are_exact_through_rfdetr_and_pycocotools(dataset: Path) -> None:
+    """Each annotation's ``segmentation`` (an RLE) decodes to exactly the drawn shape: in rfdetr's reader of a seg model
+    (``target["masks"]``, before and, on valid, after its transforms) and in pycocotools' ``annToMask``."""
+    from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions
+    from spmd_rfdetr.data import upstream_split
+    from spmd_rfdetr.model import upstream_configs
+
+    model = ModelOptions(variant="seg-nano", resolution=96, pretrain_weights=None)
+    cfgs = upstream_configs(model, DataOptions(dataset_dir=str(dataset)), OptimOptions(), SMALL["num_classes"])
+    assert cfgs.namespace().segmentation_head
+    drawn_shapes = set()
+    for split in SPLITS:
+        coco = COCO(str(dataset / split / "_annotations.coco.json"))
+        ds = upstream_split(cfgs, split)
+        resized = [ds[i][1]["masks"].numpy() for i in range(len(ds))] if split == "valid" else None  # 96 px: as is
+        ds._transforms = None  # the reader's own targets (train's are randomly augmented)
+        for i, image_id in enumerate(ds.ids):
+            drawn = render_image(3, split, image_id, 96, SMALL["num_classes"], 1, SMALL["max_objects"])
+            drawn_shapes.update(drawn.labels)
+            anns = coco.loadAnns(coco.getAnnIds(imgIds=image_id))
+            assert all(isinstance(a["segmentation"]["counts"], str) for a in anns)  # compressed RLE, JSON-safe
+            assert np.array_equal(np.stack([coco.annToMask(a) for a in anns]).astype(bool), drawn.masks)
+            masks = ds[i][1]["masks"].numpy()
+            assert masks.dtype == bool and np.array_equal(masks, drawn.masks)
+            if resized is not None:
+                assert np.array_equal(resized[i], drawn.masks)
+    assert 3 in drawn_shapes  # a cross (not convex) among them; rings have a test of their own below
+
+
+def test_ring_masks_keep_their_hole(tmp_path: Path) -> None:
+    root = synth(str(tmp_path / "ds"), train_images=4, valid_images=1, test_images=0, image_size=96, num_classes=6,
+                 min_objects=4, max_objects=4, seed=1)
+    coco = COCO(str(root / "train" / "_annotations.coco.json"))
+    rings = 0
+    for image_id in coco.getImgIds():
+        drawn = render_image(1, "train", image_id, 96, 6, 4, 4)
+        for ann, label, mask in zip(coco.loadAnns(coco.getAnnIds(imgIds=image_id)), drawn.labels, drawn.masks):
+            decoded = coco.annToMask(ann).astype(bool)
+            assert np.array_equal(decoded, mask) and ann["area"] == ann["bbox"][2] * ann["bbox"][3]
+            if label == SHAPES.index("ring"):
+                rings += 1
+                x, y, w, h = ann["bbox"]
+                assert not decoded[y + h // 2, x + w // 2]  # the hole
+                assert decoded.sum() < 0.6 * w * h
+    assert rings > 0
 
 
 def test_boxes_are_exact(dataset: Path) -> None:

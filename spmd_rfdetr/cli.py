@@ -208,7 +208,7 @@ def validate(
     cfg = RunConfig(
         model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing
     )
-    return inference.evaluate_checkpoint(cfg, checkpoint, output_dir).metrics.record()
+    return inference.evaluate_checkpoint(cfg, checkpoint, output_dir).record()
 
 
 def predict(

@@ -16,7 +16,7 @@ import contextlib
 import copy
 import dataclasses
 import io
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,29 +38,52 @@ def stat_names(max_dets: int = MAX_DETS) -> tuple[str, ...]:
 
 
 def detections_to_coco(
-    rows: np.ndarray, image_ids: Iterable[int], label2cat: dict[int, int] | None
+    rows: np.ndarray, image_ids: Iterable[int], label2cat: dict[int, int] | None,
+    masks: Sequence[np.ndarray] | None = None, sizes: Sequence[tuple[int, int]] | None = None,
 ) -> list[dict[str, Any]]:
     """COCO results from packed rows ``[N, K, 6]`` of real images, like rfdetr's ``CocoEvaluator.prepare``.
 
     ``label2cat`` maps rfdetr's label index back to the dataset's COCO ``category_id``; labels it does not map (e.g.
-    rfdetr's extra "no object" logit) are dropped, as upstream does. ``None`` keeps label indices as ids.
+    rfdetr's extra "no object" logit) are dropped, as upstream does. ``None`` keeps label indices as ids. ``masks``
+    (seg variants): each image's ``[K, h, w]`` mask logits at the mask head's resolution, with ``sizes`` its original
+    ``(height, width)``: each detection also gets its ``segmentation`` (:func:`mask_rles`).
     """
     results = []
-    for image_rows, image_id in zip(rows, image_ids):
+    for n, (image_rows, image_id) in enumerate(zip(rows, image_ids)):
         boxes = image_rows[:, BOXES].astype(np.float32, copy=True)
         boxes[:, 2:] -= boxes[:, :2]  # xyxy -> xywh, in float32 like upstream's _xyxy_to_xywh
         scores, labels = image_rows[:, SCORE].tolist(), image_rows[:, LABEL].astype(np.int64).tolist()
-        for box, score, label in zip(boxes.tolist(), scores, labels):
+        rles = mask_rles(masks[n], sizes[n]) if masks is not None and sizes is not None else None
+        for k, (box, score, label) in enumerate(zip(boxes.tolist(), scores, labels)):
             category = label if label2cat is None else label2cat.get(label)
             if category is not None:
-                results.append({"image_id": int(image_id), "category_id": int(category), "bbox": box, "score": score})
+                result = {"image_id": int(image_id), "category_id": int(category), "bbox": box, "score": score}
+                if rles is not None:
+                    result["segmentation"] = rles[k]
+                results.append(result)
     return results
+
+
+def mask_rles(logits: np.ndarray, size: tuple[int, int]) -> list[dict[str, Any]]:
+    """COCO RLEs of mask logits ``[K, h, w]`` at an image's original ``(height, width)``: rfdetr's ``PostProcess``
+    (bilinear resize of the logits, then ``> 0``; the same torch op on the CPU) and its ``CocoEvaluator``'s encoding."""
+    import torch
+    from pycocotools import mask as mask_util
+
+    rles = []
+    for chunk in torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32)).split(32):  # rfdetr's _MASK_CHUNK
+        resized = torch.nn.functional.interpolate(chunk[:, None], size=tuple(int(v) for v in size), mode="bilinear",
+                                                  align_corners=False)[:, 0] > 0
+        for mask in resized.numpy():
+            rle = mask_util.encode(np.asfortranarray(mask.astype(np.uint8)))
+            rles.append({"size": [int(v) for v in rle["size"]], "counts": rle["counts"].decode("utf-8")})
+    return rles
 
 
 
 @dataclass
 class CocoMetrics:
-    """pycocotools' bbox summary (``stats``, keys of :func:`stat_names`) and per-class AP."""
+    """pycocotools' summary (``stats``, keys of :func:`stat_names`) and per-class AP, of boxes or masks."""
 
     stats: dict[str, float]
     per_class: list[dict[str, Any]]
@@ -68,6 +91,8 @@ class CocoMetrics:
     num_detections: int
     max_dets: int = MAX_DETS
     """pycocotools' largest ``maxDets``: the detections per image mAP and the last AR count."""
+    iou_type: str = "bbox"
+    """``bbox`` or ``segm`` (masks)."""
 
     def record(self, prefix: str = "eval/") -> dict[str, float]:
         """Flat ``{"eval/mAP": ...}`` for ``metrics.jsonl``."""
@@ -76,7 +101,7 @@ class CocoMetrics:
     def table(self) -> str:
         """The summary and the per-class table, as printed."""
         head = "  ".join(f"{k} {v:.4f}" for k, v in self.stats.items())
-        lines = [f"COCO bbox ({self.num_images} images, {self.num_detections} detections, maxDets {self.max_dets}): {head}",
+        lines = [f"COCO {self.iou_type} ({self.num_images} images, {self.num_detections} detections, maxDets {self.max_dets}): {head}",
                  f"{'class':<20} {'id':>5} {'AP':>7} {'AP50':>7} {'AP75':>7} {'gt':>6}"]
         for row in self.per_class:
             lines.append(f"{row['name']:<20} {row['category_id']:>5} {row['AP']:>7.4f} {row['AP50']:>7.4f} "
@@ -93,10 +118,12 @@ def _mean_valid(values: np.ndarray) -> float:
 
 
 def coco_metrics(coco_gt: Any, results: list[dict[str, Any]], image_ids: Iterable[int],
-                 max_dets: int = MAX_DETS) -> CocoMetrics:
+                 max_dets: int = MAX_DETS, iou_type: str = "bbox") -> CocoMetrics:
     """Score COCO results against ``coco_gt`` on ``image_ids`` with pycocotools at maxDets 1, 10 and ``max_dets``,
     summarised as upstream's training eval does (rfdetr's ``patched_pycocotools_summarize``: mAP at ``max_dets``,
-    where pycocotools' own summary reads it at 100)."""
+    where pycocotools' own summary reads it at 100). ``iou_type="segm"`` scores the results' ``segmentation``, given
+    without their ``bbox`` as rfdetr's ``prepare_for_coco_segmentation`` does (pycocotools then takes each
+    detection's area from its mask)."""
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
     from rfdetr.evaluation.coco_eval import patched_pycocotools_summarize
@@ -108,9 +135,11 @@ def coco_metrics(coco_gt: Any, results: list[dict[str, Any]], image_ids: Iterabl
         with contextlib.redirect_stdout(io.StringIO()):
             gt.createIndex()
     img_ids = sorted({int(i) for i in image_ids})
+    if iou_type == "segm":
+        results = [{k: v for k, v in r.items() if k != "bbox"} for r in results]
     with contextlib.redirect_stdout(io.StringIO()):
         dt = gt.loadRes([dict(r) for r in results]) if results else _empty_results(gt)  # loadRes adds keys
-        evaluator = COCOeval(gt, dt, iouType="bbox")
+        evaluator = COCOeval(gt, dt, iouType=iou_type)
         evaluator.params.imgIds = img_ids
         evaluator.params.maxDets = [1, 10, max_dets]
         evaluator.evaluate()
@@ -136,7 +165,7 @@ def coco_metrics(coco_gt: Any, results: list[dict[str, Any]], image_ids: Iterabl
             "AP75": _mean_valid(p[5]),
             "num_gt": gt_counts.get(category_id, 0),
         })
-    return CocoMetrics(stats, per_class, len(img_ids), len(results), max_dets)
+    return CocoMetrics(stats, per_class, len(img_ids), len(results), max_dets, iou_type)
 
 
 def _empty_results(gt: Any) -> Any:

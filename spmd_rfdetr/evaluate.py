@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from spmd_rfdetr import hosts
 from spmd_rfdetr.coco import MAX_DETS, CocoMetrics, coco_metrics, detections_to_coco, label2cat_of
 from spmd_rfdetr.config import RunConfig
+from spmd_rfdetr.mesh import take_rows
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -89,7 +90,10 @@ class EvalForward:
         autocast: context for the model forward (e.g. Fabric's bf16 autocast); post-processing runs in fp32.
 
     Calling it with sharded ``images [B,3,R,R]`` and ``orig_size [B,2]`` (h, w) returns a ``[B, num_select, 6]`` device
-    tensor of ``(score, label, x0, y0, x1, y1)`` rows, best first, boxes in pixels of the original image.
+    tensor of ``(score, label, x0, y0, x1, y1)`` rows, best first, boxes in pixels of the original image; for a model
+    with rfdetr's mask head (the seg variants) also the selected queries' mask logits ``[B, num_select, R/4, R/4]``
+    (rfdetr's PostProcess resizes them to each image's own size: done on the host, :func:`~spmd_rfdetr.coco.
+    mask_rles`, as the sizes differ per image).
     """
 
     def __init__(
@@ -105,7 +109,7 @@ class EvalForward:
         self.autocast = autocast
         self._compiled = torch.compile(self._forward, backend="openxla", fullgraph=True, dynamic=False)
 
-    def _forward(self, images: torch.Tensor, orig_size: torch.Tensor) -> torch.Tensor:
+    def _forward(self, images: torch.Tensor, orig_size: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         from spmd_rfdetr.data import normalize_images
         from spmd_rfdetr.step import as_samples
 
@@ -116,9 +120,14 @@ class EvalForward:
         # rfdetr's own PostProcess steps (box-only path), batched: no per-image Python lists on the device.
         scores, labels, queries = self.postprocess._select_topk(logits)
         xyxy = self.postprocess._gather_and_scale_boxes(boxes, queries, orig_size)
-        return torch.cat([scores.unsqueeze(-1), labels.unsqueeze(-1).to(scores.dtype), xyxy], dim=-1)
+        rows = torch.cat([scores.unsqueeze(-1), labels.unsqueeze(-1).to(scores.dtype), xyxy], dim=-1)
+        masks = outputs.get("pred_masks")
+        if masks is None:
+            return rows
+        picked = take_rows(masks.flatten(2), queries)  # the selected queries' mask planes, whole rows
+        return rows, picked.view(*queries.shape, *masks.shape[-2:]).float()
 
-    def __call__(self, images: torch.Tensor, orig_size: torch.Tensor) -> torch.Tensor:
+    def __call__(self, images: torch.Tensor, orig_size: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         with torch.no_grad(), _traceable_pos_encoding(self.model):
             return self._compiled(images, orig_size)
 
@@ -216,25 +225,48 @@ def eval_loader(dataset: Dataset[Any], global_batch_size: int, resolution: int, 
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class Detections:
+    """What :func:`run_detection` returns for the real images of a split (padding rows dropped)."""
+
+    rows: np.ndarray
+    """``[N, K, 6]`` packed ``(score, label, x0, y0, x1, y1)`` rows."""
+    image_ids: np.ndarray
+    """``[N]``"""
+    masks: np.ndarray | None = None
+    """``[N, K, h, w]`` mask logits (seg variants), else ``None``."""
+    sizes: np.ndarray | None = None
+    """``[N, 2]`` original ``(height, width)`` of each image."""
+
+    def to_coco(self, label2cat: dict[int, int] | None) -> list[dict[str, Any]]:
+        """COCO results (with ``segmentation`` for a seg model)."""
+        sizes = [tuple(size) for size in self.sizes.tolist()] if self.sizes is not None else None
+        return detections_to_coco(self.rows, self.image_ids, label2cat, self.masks, sizes)
+
+
 def run_detection(
     forward: EvalForward,
     loader: Iterable[dict[str, torch.Tensor]],
     to_device: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
-) -> tuple[np.ndarray, np.ndarray]:
-    """Run every batch through the compiled forward; returns (rows ``[N, K, 6]``, image ids ``[N]``) of real images.
+) -> Detections:
+    """Run every batch through the compiled forward; returns the :class:`Detections` of the real images.
 
     Each batch's result is fetched (one device->host transfer) after the next batch has been dispatched. On several
     hosts each loads its rows and the result is the global array: its image ids are every host's, gathered over gloo
     in host order (:func:`~spmd_rfdetr.hosts.gather_rows`). Padding rows (id -1) are dropped here.
     """
-    rows: list[np.ndarray] = []
-    ids: list[np.ndarray] = []
-    pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    parts: dict[str, list[np.ndarray]] = {"rows": [], "image_ids": [], "masks": [], "sizes": []}
+    pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None
 
-    def collect(out: torch.Tensor, image_id: torch.Tensor) -> None:
+    def collect(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor], image_id: torch.Tensor,
+                orig_size: torch.Tensor) -> None:
         real = image_id.numpy() >= 0
-        rows.append(out.cpu().numpy()[real])
-        ids.append(image_id.numpy()[real])
+        rows, masks = out if isinstance(out, tuple) else (out, None)
+        parts["rows"].append(rows.cpu().numpy()[real])
+        parts["image_ids"].append(image_id.numpy()[real])
+        parts["sizes"].append(orig_size.numpy()[real])
+        if masks is not None:
+            parts["masks"].append(masks.cpu().numpy()[real])
 
     with forward.eval_mode():
         for batch in loader:
@@ -242,12 +274,13 @@ def run_detection(
             out = forward(device_batch["images"], device_batch["orig_size"])
             if pending is not None:
                 collect(*pending)
-            pending = (out, hosts.gather_rows(batch["image_id"]))
+            pending = (out, hosts.gather_rows(batch["image_id"]), hosts.gather_rows(batch["orig_size"]))
         if pending is not None:
             collect(*pending)
-    if not rows:
-        return np.zeros((0, 0, 6), np.float32), np.zeros((0,), np.int64)
-    return np.concatenate(rows), np.concatenate(ids)
+    if not parts["rows"]:
+        return Detections(np.zeros((0, 0, 6), np.float32), np.zeros((0,), np.int64))
+    joined = {key: np.concatenate(value) if value else None for key, value in parts.items()}
+    return Detections(**joined)
 
 
 @dataclass
@@ -258,6 +291,16 @@ class EvalResult:
     detections: list[dict[str, Any]]
     image_ids: list[int]
     batches: int = 0
+    segm: CocoMetrics | None = None
+    """Mask metrics (seg variants): logged as ``eval/segm_mAP`` ..."""
+
+    def record(self, prefix: str = "eval/") -> dict[str, float]:
+        """``{"eval/mAP": ...}`` (and ``eval/segm_mAP`` ... for a seg model) for ``metrics.jsonl``."""
+        return {**self.metrics.record(prefix), **(self.segm.record(f"{prefix}segm_") if self.segm else {})}
+
+    def table(self) -> str:
+        """The box summary and per-class table, then the mask one."""
+        return "\n".join(m.table() for m in (self.metrics, self.segm) if m is not None)
 
 
 class Evaluator:
@@ -295,13 +338,17 @@ class Evaluator:
 
     def detect(self) -> tuple[list[dict[str, Any]], list[int], int]:
         """COCO results of every image of the split, their image ids and the batch count."""
-        rows, ids = run_detection(self.forward, self.loader, self.to_device)
-        return detections_to_coco(rows, ids, self.label2cat), ids.tolist(), len(self.loader)
+        found = run_detection(self.forward, self.loader, self.to_device)
+        return found.to_coco(self.label2cat), found.image_ids.tolist(), len(self.loader)
 
     def run(self) -> EvalResult:
-        """Detect on the whole split, then score with COCOeval (host, process 0)."""
+        """Detect on the whole split, then score with COCOeval (host, process 0): boxes, and masks when the
+        detections have them."""
         detections, ids, batches = self.detect()
-        return EvalResult(coco_metrics(self.coco_gt, detections, ids, self.max_dets), detections, ids, batches)
+        segm = None
+        if detections and "segmentation" in detections[0]:
+            segm = coco_metrics(self.coco_gt, detections, ids, self.max_dets, iou_type="segm")
+        return EvalResult(coco_metrics(self.coco_gt, detections, ids, self.max_dets), detections, ids, batches, segm)
 
 
 def device_sender(mesh: Any) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
@@ -321,7 +368,8 @@ def save_result(result: EvalResult, output_dir: str | Path, *, detections: bool 
     if not hosts.is_coordinator():
         return summary
     out.mkdir(parents=True, exist_ok=True)
-    summary.write_text(json.dumps(result.metrics.to_json(), indent=1))
+    summary.write_text(json.dumps({**result.metrics.to_json(),
+                                   **({"segm": result.segm.to_json()} if result.segm else {})}, indent=1))
     if detections:
         (out / f"{stem}detections.json").write_text(json.dumps(result.detections))
     return summary
@@ -429,15 +477,15 @@ class FitEvaluation:
             with borrowed_weights(self.evaluator.forward.model, self.raw_model):
                 raw = self.evaluator.run()
             save_result(raw, self.output_dir / "eval", detections=self.save_detections, stem=f"{stem}raw_")
-            print(f"eval of the raw weights at step {step}:\n{raw.metrics.table()}", flush=True)
-            record.update(raw.metrics.record("eval/raw_"))
+            print(f"eval of the raw weights at step {step}:\n{raw.table()}", flush=True)
+            record.update(raw.record("eval/raw_"))
         result = self.evaluator.run()
         refresh_parameter_data(self.evaluator.forward.model)  # training continues on the same graph
         if self.raw_model is not None:
             refresh_parameter_data(self.raw_model)
         save_result(result, self.output_dir / "eval", detections=self.save_detections, stem=stem)
-        print(f"eval at step {step}:\n{result.metrics.table()}", flush=True)
-        record = {**result.metrics.record(), **record}
+        print(f"eval at step {step}:\n{result.table()}", flush=True)
+        record = {**result.record(), **record}
         self.update(record)
         record["eval/best_mAP"] = self.best_map
         self.history.append({"step": step, **record})

@@ -15,7 +15,7 @@ import torch
 
 from spmd_rfdetr import hosts
 from spmd_rfdetr.checks import check_data
-from spmd_rfdetr.coco import detections_to_coco, label2cat_for
+from spmd_rfdetr.coco import label2cat_for
 from spmd_rfdetr.config import RunConfig
 from spmd_rfdetr.evaluate import (
     EvalForward,
@@ -78,7 +78,7 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: str, output_dir: str | None 
     result = evaluator_for(cfg, cfgs, net, fabric, build_split(cfgs, cfg.eval.split)).run()
     out = Path(output_dir) if output_dir else Path(checkpoint).parent / f"eval_{Path(checkpoint).stem}_{cfg.eval.split}"
     summary = save_result(result, out)
-    print(result.metrics.table(), flush=True)
+    print(result.table(), flush=True)
     log.info("wrote %s and %s", summary, out / "detections.json")
     return result
 
@@ -87,7 +87,8 @@ def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
     """Detect on every image of the folder ``images``; writes COCO results to ``output`` (+ ``.images.json``).
 
     Category ids are the dataset's (``data.dataset_dir``'s train split label mapping, as in training); boxes are
-    ``[x, y, w, h]`` in pixels of each original image; ``num_select`` detections per image, no score threshold.
+    ``[x, y, w, h]`` in pixels of each original image; ``num_select`` detections per image, no score threshold; a seg
+    model's detections also carry their mask as a COCO RLE ``segmentation`` at the image's size.
     """
     cfg, fabric, cfgs, net = load_for_inference(cfg, checkpoint)
     check_data(cfg, [], images=images)  # every image of the folder readable, before the eval program compiles
@@ -101,8 +102,7 @@ def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
     batch_size, num_select = eval_sizes(cfg, cfgs)
     forward = EvalForward(net, num_select, fabric.strategy.precision.forward_context)
     loader = eval_loader(folder, batch_size, cfgs.model.resolution, cfg.data.num_workers)
-    rows, ids = run_detection(forward, loader, device_sender(fabric.strategy.mesh))
-    results = detections_to_coco(rows, ids, label2cat)
+    results = run_detection(forward, loader, device_sender(fabric.strategy.mesh)).to_coco(label2cat)
     out = Path(output)
     if hosts.is_coordinator():  # several hosts hold the same global detections: host 0 writes them
         out.parent.mkdir(parents=True, exist_ok=True)

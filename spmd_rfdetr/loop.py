@@ -38,7 +38,7 @@ import yaml
 
 from spmd_rfdetr import hosts
 from spmd_rfdetr.checks import check_data
-from spmd_rfdetr.config import RunConfig
+from spmd_rfdetr.config import RunConfig, is_segmentation
 from spmd_rfdetr.resolve import (eval_every_steps, fetch_pretrain_weights, multi_scale_buckets, resolve_and_check,
                                  steps_per_epoch, upstream_scales)
 from spmd_rfdetr.runtime import PRECISIONS, setup_runtime
@@ -161,7 +161,8 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
 
     if buckets and step_fn.mode == "replay":
         precompile_buckets(step_fn, buckets, lambda size: spmd_loader.place(
-            blank_batch(d.global_batch_size // hosts.batch_share()[1], size, d.max_targets, read_at)))
+            blank_batch(d.global_batch_size // hosts.batch_share()[1], size, d.max_targets, read_at,
+                        masks=is_segmentation(cfg.model.variant))))
     batches = iter(loader)
     window_start, window_steps, wait_start, nonfinite_seen = time.perf_counter(), 0, spmd_loader.wait_s, 0
     executed_start = execute_seconds()

@@ -122,7 +122,7 @@ def test_padded_split_one_eval_graph_and_upstream_eager_parity(tiny, trained_sta
     print("mAP parity: ours", ours.round(5).tolist(), "upstream eager", ref_stats.round(5).tolist())
     assert result.metrics.stats["mAP50"] > 0.05, result.metrics.stats  # a non-trivial model, not all zeros
     np.testing.assert_allclose(ours, ref_stats, atol=1e-4, rtol=0)
-    rows, _ = ev.run_detection(evaluator.forward, evaluator.loader, evaluator.to_device)
+    rows = ev.run_detection(evaluator.forward, evaluator.loader, evaluator.to_device).rows
     np.testing.assert_allclose(rows[..., SCORE], ref_rows[..., SCORE], atol=1e-4)
     np.testing.assert_allclose(rows[..., BOXES], ref_rows[..., BOXES], atol=1e-2)  # pixels of a 160 px image
 

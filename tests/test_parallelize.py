@@ -195,6 +195,7 @@ def test_memory_plan_bytes_follow_the_specs():
 
 def test_plan_verb_prints_every_variant(capsys):
     from spmd_rfdetr.cli import main
+    from spmd_rfdetr.config import VARIANT_CONFIGS
 
     main(["plan", "--mesh.data", "2", "--mesh.fsdp", "4"])
     out = capsys.readouterr().out

@@ -35,6 +35,7 @@ from spmd_rfdetr.config import (
     OptimOptions,
     RunConfig,
     TrainerOptions,
+    is_segmentation,
 )
 from spmd_rfdetr.resolve import multi_scale_buckets, resolve_and_check, upstream_scales
 
@@ -104,7 +105,8 @@ def trace_programs(cfg: RunConfig, out: Path, train_only: bool = False) -> list[
     common = {"num_partitions": devices, "precision": t.precision, "variant": cfg.model.variant}
     programs = []
     for size in sizes:
-        batch = place(blank_batch(d.global_batch_size, size, d.max_targets, read_at))
+        batch = place(blank_batch(d.global_batch_size, size, d.max_targets, read_at,
+                                  masks=is_segmentation(cfg.model.variant)))
         lowered = trainer.step.lower(batch)
         name = f"train_step {size}px"
         programs.append(_write(out, name, "train", lowered, d.global_batch_size, devices, size, common))
@@ -115,7 +117,8 @@ def trace_programs(cfg: RunConfig, out: Path, train_only: bool = False) -> list[
         blank = place(blank_batch(eval_batch, cfgs.model.resolution, d.max_targets))
         with torch.no_grad(), forward.eval_mode():
             detections = forward._forward(blank["images"], blank["orig_size"])  # lazily: same graph as openxla's
-        programs.append(_write(out, f"eval {cfgs.model.resolution}px", "eval", lower([detections], name="eval_forward"),
+        outputs = list(detections) if isinstance(detections, tuple) else [detections]  # seg: rows and masks
+        programs.append(_write(out, f"eval {cfgs.model.resolution}px", "eval", lower(outputs, name="eval_forward"),
                                eval_batch, devices, cfgs.model.resolution, common))
     (out / "programs.json").write_text(json.dumps({"programs": programs}, indent=1))
     return programs

@@ -80,7 +80,7 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
     from spmd_rfdetr.build import build_trainer, unwrap
     from spmd_rfdetr.data import (blank_batch, build_split, check_overflow, class_names, first_uses, make_train_loader,
                                   num_classes_in)
-    from spmd_rfdetr.evaluate import fit_evaluation
+    from spmd_rfdetr.fit_eval import fit_evaluation
     from spmd_rfdetr.fabric import spmd_fabric
     from spmd_rfdetr.mesh import build_mesh
     from spmd_rfdetr.metrics import MetricsLog, build_loggers, execute_seconds

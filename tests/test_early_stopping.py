@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spmd_rfdetr.evaluate import FitEvaluation
+from spmd_rfdetr.fit_eval import FitEvaluation
 
 #: (model.ema, eval.base_model, eval.early_stopping_use_ema)
 SETTINGS = [(ema, base, use_ema) for ema in (False, True) for base in (False, True) for use_ema in (False, True)]

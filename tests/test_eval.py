@@ -235,7 +235,7 @@ def test_fit_evaluates_every_n_steps_and_keeps_best(fit_run):
     saved = json.loads((fit_run / "eval" / "step0000020_coco_eval.json").read_text())
     assert saved["num_images"] == 40 and saved["stats"]["mAP"] == evals[0]["eval/mAP"]
 
-    from spmd_rfdetr.evaluate import FitEvaluation
+    from spmd_rfdetr.fit_eval import FitEvaluation
 
     due = FitEvaluation(None, every_steps=100, output_dir=fit_run).due  # type: ignore[arg-type]
     assert [s for s in range(1, 251) if due(s, 250)] == [100, 200, 250]

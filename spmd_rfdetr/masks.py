@@ -55,8 +55,8 @@ def sample_targets(packed: Tensor, coords: Tensor) -> Tensor:
     """Target masks at points, rfdetr's nearest-pixel rule (``point_sample(..., mode="nearest")``, border padding).
 
     ``packed [B, T, R, Rb]`` (:func:`pack_masks` of square ``R x R`` masks), ``coords [B, T, K, 2]`` (x, y) in [0, 1]
-    -> float ``[B, T, K]``: 1 where target ``t``'s mask covers the point. Each point reads one packed row (a row lookup on each device's own
-    images) and picks its byte and bit there.
+    -> float ``[B, T, K]``: 1 where target ``t``'s mask covers the point. Each point reads one packed row (a row
+    lookup on each device's own images) and picks its byte and bit there.
     """
     batch, slots, height, row_bytes = packed.shape
     width, points = height, coords.shape[2]

@@ -371,7 +371,8 @@ def _resize_as_matmul() -> Iterator[None]:
     def interpolate(input: torch.Tensor, size: Any = None, scale_factor: Any = None, mode: str = "nearest",
                     align_corners: bool | None = None, recompute_scale_factor: bool | None = None,
                     antialias: bool = False) -> torch.Tensor:
-        if (mode, antialias) in _MATMUL_RESIZES and size is not None and input.device.type == "xla" and input.dim() == 4:
+        matmul = (mode, antialias) in _MATMUL_RESIZES and size is not None
+        if matmul and input.device.type == "xla" and input.dim() == 4:
             rows, cols = (size, size) if isinstance(size, int) else size
             along_h = resize_matrix(input.shape[-2], int(rows), bool(align_corners), mode).to(input.device, input.dtype)
             along_w = resize_matrix(input.shape[-1], int(cols), bool(align_corners), mode).to(input.device, input.dtype)

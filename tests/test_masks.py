@@ -84,7 +84,8 @@ def ours_from_upstream(draws: list[torch.Tensor], pairs: list[list[tuple[torch.T
     layers = len(pairs)
     cost_draws, loss_draws = draws[:layers], []
     for k in range(layers):
-        rows = [(i, int(q) // per_group * SLOTS + int(t)) for i, (qs, ts) in enumerate(pairs[k]) for q, t in zip(qs, ts)]
+        rows = [(i, int(q) // per_group * SLOTS + int(t))
+                for i, (qs, ts) in enumerate(pairs[k]) for q, t in zip(qs, ts)]
         index = torch.tensor([i * groups * SLOTS + r for i, r in rows])
         for upstream in draws[layers + 2 * k: layers + 2 * k + 2]:
             ours = torch.rand(batch * groups * SLOTS, *upstream.shape[1:])

@@ -1,0 +1,245 @@
+"""RF-DETR Seg end to end, as a user runs it: ``fit --config configs/cpu-seg.yaml`` on the session's synthetic masks,
+``predict`` with RLE masks, segm mAP against pycocotools and upstream rfdetr's own eager evaluation, and upstream's
+``RFDETR.from_checkpoint`` predicting our masks in a process without torch_xla."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from jobs import JobInputs, job_fixture
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 40
+PNG_SIZE = 96  # the model's resolution: both sides' resizes are the identity
+
+#: Upstream rfdetr alone: ``RFDETR.from_checkpoint`` on our weight file, its ``predict`` masks as COCO RLE.
+UPSTREAM_SEG_PREDICT = """
+import json, sys
+import numpy as np
+from pycocotools import mask as mask_util
+from rfdetr import RFDETR
+checkpoint, images = sys.argv[1], sys.argv[2:]
+model = RFDETR.from_checkpoint(checkpoint)
+assert "torch_xla" not in sys.modules, "upstream ran with torch_xla imported"
+out = {"class": type(model).__name__, "images": []}
+for path in images:
+    d = model.predict(path, threshold=0.0)
+    rles = [mask_util.encode(np.asfortranarray(m.astype(np.uint8))) for m in d.mask]
+    out["images"].append({"score": d.confidence.tolist(), "label": d.class_id.tolist(),
+                          "masks": [{"size": r["size"], "counts": r["counts"].decode()} for r in rles]})
+print(json.dumps(out))
+"""
+
+
+@dataclass
+class SegRun:
+    """The seg fit's output folder, its two predictions and upstream's."""
+
+    out: Path
+    fit: subprocess.CompletedProcess
+    predicted: Path
+    """``predict`` of ``last.pth`` on the valid split's images."""
+    pngs: list[Path]
+    """Valid images at the model's resolution, for the interop check."""
+    ours_png: Path
+    """``predict`` of ``best.pth`` on :attr:`pngs`."""
+    upstream: subprocess.CompletedProcess
+
+
+def cli(*args: str, env: dict[str, str], timeout: float = 1800) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spmd_rfdetr", *args], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+@job_fixture
+def seg_run(inputs: JobInputs, base: Path) -> SegRun:
+    """``configs/cpu-seg.yaml`` for :data:`STEPS` steps on the session dataset (evaluated at the last), then
+    ``predict`` twice and upstream's ``from_checkpoint`` predict in a process without torch_xla."""
+    cfg = yaml.safe_load((ROOT / "configs" / "cpu-seg.yaml").read_text())
+    out = base / "run"
+    cfg["data"].update(dataset_dir=inputs.synth_dir, num_workers=0)
+    cfg["trainer"].update(output_dir=str(out), max_steps=STEPS, log_every=STEPS // 4)
+    cfg["eval"].update(every_steps=STEPS, save_detections=True)
+    config = base / "seg.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    env = {**inputs.env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+    fit = cli("fit", "--config", str(config), env=env)
+    predicted = base / "valid_predictions.json"
+    if fit.returncode == 0:
+        cli("predict", "--config", str(config), "--checkpoint", str(out / "last.pth"), "--images",
+            str(Path(inputs.synth_dir) / "valid"), "--output", str(predicted), env=env)
+    folder = base / "pngs"
+    folder.mkdir()
+    for name in sorted(p.name for p in (Path(inputs.synth_dir) / "valid").glob("*.jpg"))[:4]:
+        image = Image.open(Path(inputs.synth_dir) / "valid" / name).convert("RGB")
+        image.resize((PNG_SIZE, PNG_SIZE)).save(folder / f"{name}.png")
+    pngs = sorted(folder.iterdir())
+    ours_png = base / "png_predictions.json"
+    cli("predict", "--config", str(config), "--checkpoint", str(out / "best.pth"), "--images", str(folder),
+        "--output", str(ours_png), env=env)
+    no_xla = {k: v for k, v in inputs.env.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS")}
+    upstream = subprocess.run([sys.executable, "-c", UPSTREAM_SEG_PREDICT, str(out / "best.pth"), *map(str, pngs)],
+                              cwd=base, env={**no_xla, "USE_TORCH_XLA": "0"}, capture_output=True, text=True,
+                              timeout=900)
+    return SegRun(out, fit, predicted, pngs, ours_png, upstream)
+
+
+def final_record(run: SegRun) -> dict:
+    assert run.fit.returncode == 0, run.fit.stderr[-4000:]
+    records = [json.loads(line) for line in (run.out / "metrics.jsonl").read_text().splitlines()]
+    return records[-1]
+
+
+@pytest.mark.slow
+def test_seg_fit_replays_and_reports_segm_map(seg_run: SegRun) -> None:
+    record = final_record(seg_run)
+    assert record["step"] == STEPS and record["step_mode"] == "replay" and record["step_traces"] == 2
+    assert record["loss_mask_ce"] > 0 and record["loss_mask_dice"] > 0
+    assert record["eval/segm_mAP"] > 0.01, record  # a trained model, not a blank one
+    summary = json.loads((seg_run.out / "eval" / f"step{STEPS:07d}_coco_eval.json").read_text())
+    assert summary["segm"]["stats"]["mAP"] == record["eval/segm_mAP"] and summary["stats"]["mAP"] == record["eval/mAP"]
+
+
+@pytest.mark.slow
+def test_segm_map_equals_pycocotools_on_predicts_rles(seg_run: SegRun, synth_dir: str) -> None:
+    """``predict``'s RLE results for ``last.pth`` (the EMA weights the final evaluation scored), mapped to the split's
+    image ids by file name, scored by pycocotools itself: the fit's ``eval/segm_*`` to 1e-4."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+    from rfdetr.evaluation.coco_eval import patched_pycocotools_summarize
+
+    from spmd_rfdetr.coco import MAX_DETS, label2cat_for, stat_names
+
+    record = final_record(seg_run)
+    gt = COCO(str(Path(synth_dir) / "valid" / "_annotations.coco.json"))
+    ids = {image["file_name"]: image["id"] for image in gt.dataset["images"]}
+    folder_ids = {row["id"]: ids[row["file_name"]]
+                  for row in json.loads(seg_run.predicted.with_suffix(".images.json").read_text())}
+    results = json.loads(seg_run.predicted.read_text())
+    assert results and all("segmentation" in r for r in results)
+    assert label2cat_for(synth_dir) is not None
+    segm = [{"image_id": folder_ids[r["image_id"]], "category_id": r["category_id"], "score": r["score"],
+             "segmentation": r["segmentation"]} for r in results]
+    evaluator = COCOeval(gt, gt.loadRes(segm), "segm")
+    evaluator.params.imgIds = sorted(ids.values())
+    evaluator.params.maxDets = [1, 10, MAX_DETS]
+    evaluator.evaluate()
+    evaluator.accumulate()
+    patched_pycocotools_summarize(evaluator, log_summary=False)
+    ours = np.asarray([record[f"eval/segm_{name}"] for name in stat_names(MAX_DETS)])
+    np.testing.assert_allclose(ours, evaluator.stats, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_segm_map_equals_upstream_eager_eval_of_last_pth(seg_run: SegRun) -> None:
+    """Upstream rfdetr on the CPU, eager: its model with ``last.pth``'s weights, its ``PostProcess`` (masks resized to
+    each image) and its ``CocoEvaluator`` for bbox and segm on the valid split as rfdetr builds it: the fit's final
+    ``eval/mAP`` and ``eval/segm_mAP`` (and the rest of both summaries) to 1e-4."""
+    from rfdetr.config import TrainConfig
+    from rfdetr.datasets import get_coco_api_from_dataset
+    from rfdetr.evaluation.coco_eval import CocoEvaluator
+
+    from spmd_rfdetr.coco import stat_names
+    from spmd_rfdetr.config import RunConfig
+    from spmd_rfdetr.data import upstream_split
+    from spmd_rfdetr.model import build_model, build_upstream_criterion, upstream_configs
+    from spmd_rfdetr.step import as_samples
+    from spmd_rfdetr.weights import inference_config, read_weights
+
+    record = final_record(seg_run)
+    saved = read_weights(seg_run.out / "last.pth")
+    cfg = inference_config(RunConfig(), saved)
+    cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, cfg.model.num_classes)
+    net = build_model(cfgs)
+    net.load_state_dict(saved.state_dict)
+    net.eval()
+    postprocess = build_upstream_criterion(cfgs)[1]
+    dataset = upstream_split(cfgs, "valid")
+    max_dets = TrainConfig.model_fields["eval_max_dets"].default
+    evaluator = CocoEvaluator(get_coco_api_from_dataset(dataset), ["bbox", "segm"], max_dets=max_dets,
+                              log_summary=False)
+    with torch.no_grad():
+        for start in range(0, len(dataset), 8):
+            items = [dataset[i] for i in range(start, min(start + 8, len(dataset)))]
+            outputs = net(as_samples(torch.stack([image for image, _ in items])))
+            sizes = torch.stack([target["orig_size"] for _, target in items])
+            evaluator.update({int(t["image_id"]): r for (_, t), r in zip(items, postprocess(outputs, sizes))})
+    evaluator.synchronize_between_processes()
+    evaluator.accumulate()
+    names = stat_names(max_dets)
+    for prefix, iou_type in (("eval/", "bbox"), ("eval/segm_", "segm")):
+        ours = np.asarray([record[prefix + name] for name in names])
+        np.testing.assert_allclose(ours, evaluator.coco_eval[iou_type].stats, atol=1e-4, rtol=0, err_msg=iou_type)
+
+
+@pytest.mark.slow
+def test_upstream_from_checkpoint_predicts_our_masks(seg_run: SegRun) -> None:
+    """``RFDETR.from_checkpoint(best.pth)`` (no torch_xla in its process) is an ``RFDETRSegNano`` whose ``predict``
+    gives our ``predict``'s detections: the same scores and labels in the same order and every instance's mask with
+    IoU >= 0.99 (at the model's resolution, where neither side resizes the image)."""
+    from pycocotools import mask as mask_util
+
+    from spmd_rfdetr.coco import label2cat_for
+
+    assert seg_run.upstream.returncode == 0, seg_run.upstream.stderr[-3000:]
+    theirs = json.loads(seg_run.upstream.stdout.strip().splitlines()[-1])
+    assert theirs["class"] == "RFDETRSegNano"
+    ours = json.loads(seg_run.ours_png.read_text())
+    saved = torch.load(seg_run.out / "best.pth", map_location="cpu", weights_only=True)
+    cat2label = {c: label for label, c in (label2cat_for(saved["config"]["data"]["dataset_dir"]) or {}).items()}
+    checked = 0
+    for image_id, upstream in enumerate(theirs["images"]):
+        rows = sorted((d for d in ours if d["image_id"] == image_id), key=lambda d: -d["score"])
+        order = np.argsort(-np.asarray(upstream["score"]), kind="stable")
+        order = order[np.isin(np.asarray(upstream["label"])[order], list(cat2label.values()))]
+        assert len(rows) == len(order) > 0, (len(rows), len(order))
+        np.testing.assert_allclose([d["score"] for d in rows], np.asarray(upstream["score"])[order], atol=1e-4)
+        assert [cat2label[d["category_id"]] for d in rows] == np.asarray(upstream["label"])[order].tolist()
+        for row, k in zip(rows, order):
+            mine, other = row["segmentation"], upstream["masks"][k]
+            assert mine["size"] == other["size"] == [PNG_SIZE, PNG_SIZE]
+            union = mask_util.area(mask_util.merge([mine, other], intersect=False))
+            iou = mask_util.iou([mine], [other], [0])[0, 0] if union else 1.0
+            assert iou >= 0.99, (image_id, row, iou)
+            checked += 1
+    assert checked >= 4 * 30 * 3 // 2  # most of the 30 queries x 3 classes each image selects
+
+
+@pytest.mark.slow
+def test_export_onnx_of_a_seg_model_runs_like_the_eager_model(seg_run: SegRun, tmp_path: Path) -> None:
+    """``export`` of ``last.pth`` through rfdetr's exporter: an ONNX graph with rfdetr's ``masks`` output, equal under
+    onnxruntime to the eager model's boxes, logits and mask logits."""
+    onnxruntime = pytest.importorskip("onnxruntime", reason="ONNX export needs rfdetr's onnx extra")
+
+    from spmd_rfdetr.cli import main
+    from spmd_rfdetr.config import RunConfig
+    from spmd_rfdetr.model import build_model, upstream_configs
+    from spmd_rfdetr.step import as_samples
+    from spmd_rfdetr.weights import inference_config, read_weights
+
+    final_record(seg_run)
+    checkpoint = seg_run.out / "last.pth"
+    main(["export", "--checkpoint", str(checkpoint), "--output", str(tmp_path / "seg.onnx")])
+    session = onnxruntime.InferenceSession(str(tmp_path / "seg.onnx"), providers=["CPUExecutionProvider"])
+    image = torch.randn(1, 3, PNG_SIZE, PNG_SIZE, generator=torch.Generator().manual_seed(0))
+    outputs = dict(zip([o.name for o in session.get_outputs()],
+                       session.run(None, {session.get_inputs()[0].name: image.numpy()})))
+    saved = read_weights(checkpoint)
+    cfg = inference_config(RunConfig(), saved)
+    net = build_model(upstream_configs(cfg.model, cfg.data, cfg.optim, cfg.model.num_classes))
+    net.load_state_dict(saved.state_dict)
+    with torch.no_grad():
+        eager = net.eval()(as_samples(image))
+    assert set(outputs) == {"dets", "labels", "masks"}
+    np.testing.assert_allclose(outputs["dets"], eager["pred_boxes"].numpy(), atol=1e-4)
+    np.testing.assert_allclose(outputs["labels"], eager["pred_logits"].numpy(), atol=1e-3)
+    np.testing.assert_allclose(outputs["masks"], eager["pred_masks"].numpy(), atol=1e-3)

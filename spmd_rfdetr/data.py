@@ -14,7 +14,8 @@ Overflow policy (never silent): before training, the annotation files are scanne
 ``max_targets`` boxes. ``on_overflow="error"`` stops and names them; ``"truncate"`` logs how many images and boxes are
 affected (naming the first files) and keeps each such image's ``max_targets`` largest boxes.
 
-Multi-scale training (``data.multi_scale``, rfdetr's default recipe): the train split is read at the largest of
+Multi-scale training (``data.multi_scale``, rfdetr's default recipe; instance masks stay at the size read, as rfdetr's
+per-batch resize leaves them: they are sampled at normalised points): the train split is read at the largest of
 rfdetr's scales for the model (``compute_multi_scale_scales`` with its default ``expanded_scales``, e.g. 64...288 for a
 128-pixel model) and each batch is resized to one size drawn per step exactly as rfdetr draws it
 (``random.Random(step).choice(scales)``: the same size at the same step as an upstream run, and a pure function of the

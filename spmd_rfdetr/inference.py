@@ -49,8 +49,9 @@ def load_for_inference(cfg: RunConfig, checkpoint: str) -> tuple[RunConfig, Any,
     setup_runtime(cfg.mesh)
     import torch_xla.runtime as xr
 
-    resolve_and_check(cfg, xr.global_runtime_device_count())
-    log.info("%s on %d %s device(s)", Path(checkpoint).name, xr.global_runtime_device_count(), xr.device_type())
+    devices = xr.global_runtime_device_count()
+    resolve_and_check(cfg, devices)
+    log.info("%s on %d %s device(s)", Path(checkpoint).name, devices, xr.device_type())
     from spmd_rfdetr.data import num_classes_in
     from spmd_rfdetr.fabric import spmd_fabric
     from spmd_rfdetr.mesh import build_mesh

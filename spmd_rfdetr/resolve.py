@@ -287,9 +287,6 @@ def _segmentation_problems(cfg: RunConfig) -> list[str]:
     if cfg.trainer.matcher == "scipy":
         problems.append(f"trainer.matcher=scipy with model.variant={variant}: rfdetr's own mask loss refuses padded "
                         "targets (SetCriterion.loss_masks); use trainer.matcher=device")
-    if cfg.data.multi_scale:
-        problems.append(f"data.multi_scale with model.variant={variant}: the instance masks are not resized per "
-                        "batch yet; set data.multi_scale=false")
     if cfg.trainer.compile_backend == "openxla":
         problems.append(f"trainer.compile_backend=openxla with model.variant={variant} is not supported yet; use "
                         "trainer.compile_backend=torch_xla")

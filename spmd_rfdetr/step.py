@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ContextManager, Literal
 
 import torch
@@ -317,14 +317,11 @@ class TrainStep:
         if not self.check_pending or not self._replayer.seen(batch):
             return
         self._checked = True
-        grads = [(p, p.grad) for p in self.model.parameters()]
-        try:
-            problem = self._replayer.check_aside(batch)
-        except ReplayUnsafe as error:  # refused at trace time; the state was put back
-            problem = str(error)
-        finally:
-            for param, grad in grads:  # the trace's gradients are not the model's
-                param.grad = grad
+        with self._gradients_kept():
+            try:
+                problem = self._replayer.check_aside(batch)
+            except ReplayUnsafe as error:  # refused at trace time; the state was put back
+                problem = str(error)
         if problem:
             self._fall_back(problem)
 
@@ -334,22 +331,26 @@ class TrainStep:
         mode, or replay refused, which then falls back to trace mode as a refused first step would)."""
         if self.mode != "replay":
             return False
-        grads = [(p, p.grad) for p in self.model.parameters()]
-        try:
-            return self._replayer.precompile(batch)
-        except ReplayUnsafe as error:
-            self._fall_back(str(error))
-            return False
-        finally:
-            for param, grad in grads:  # the trace's gradients are not the model's
-                param.grad = grad
+        with self._gradients_kept():
+            try:
+                return self._replayer.precompile(batch)
+            except ReplayUnsafe as error:
+                self._fall_back(str(error))
+                return False
 
     def lower(self, batch: dict[str, torch.Tensor]) -> Lowered:
         """The replayed program for this batch's signature as HLO for an ahead-of-time compiler (``aot`` verb), with
         its donated parameters; nothing compiles or runs, the weights and optimizer state stay as they were."""
+        with self._gradients_kept():
+            return self._replayer.lower(batch)
+
+    @contextlib.contextmanager
+    def _gradients_kept(self) -> Iterator[None]:
+        """Every parameter's ``.grad`` put back afterwards: a trace aside of the step (check, precompile, lower)
+        leaves its own gradients there, which are not the model's."""
         grads = [(p, p.grad) for p in self.model.parameters()]
         try:
-            return self._replayer.lower(batch)
+            yield
         finally:
             for param, grad in grads:
                 param.grad = grad

@@ -77,9 +77,6 @@ CASES = {
                           "queries x (num_classes 1 + 1)): use at most 600"),
     "seg_scipy": (edited(model={"variant": "seg-nano"}, trainer={"matcher": "scipy"}), None,
                   "trainer.matcher=scipy with model.variant=seg-nano: rfdetr's own mask loss refuses padded targets"),
-    "seg_multi_scale": (edited(model={"variant": "seg-nano"}, data={"multi_scale": True}), None,
-                        "data.multi_scale with model.variant=seg-nano: the instance masks are not resized per batch "
-                        "yet; set data.multi_scale=false"),
     "seg_openxla": (edited(model={"variant": "seg-small"}, trainer={"compile_backend": "openxla"}), None,
                     "trainer.compile_backend=openxla with model.variant=seg-small is not supported yet"),
     "seg_resolution": (edited(model={"variant": "seg-small", "resolution": 300}), None,

@@ -1,6 +1,7 @@
-"""RF-DETR Seg end to end, as a user runs it: ``fit --config configs/cpu-seg.yaml`` on the session's synthetic masks,
-``predict`` with RLE masks, segm mAP against pycocotools and upstream rfdetr's own eager evaluation, and upstream's
-``RFDETR.from_checkpoint`` predicting our masks in a process without torch_xla."""
+"""RF-DETR Seg end to end, as a user runs it: ``fit --config configs/cpu-seg.yaml`` on the session's synthetic masks
+(with rfdetr's multi-scale buckets and FSDP on: the detectors' mechanisms carry the masks too), ``predict`` with RLE
+masks, segm mAP against pycocotools and upstream rfdetr's own eager evaluation, upstream's ``RFDETR.from_checkpoint``
+predicting our masks in a process without torch_xla, and rfdetr's ONNX exporter."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40
+SCALES = [84, 96]  # two of rfdetr's multi-scale sizes for Seg Nano at 96 px: the split is read at 96
 PNG_SIZE = 96  # the model's resolution: both sides' resizes are the identity
 
 #: Upstream rfdetr alone: ``RFDETR.from_checkpoint`` on our weight file, its ``predict`` masks as COCO RLE.
@@ -62,11 +64,13 @@ def cli(*args: str, env: dict[str, str], timeout: float = 1800) -> subprocess.Co
 
 @job_fixture
 def seg_run(inputs: JobInputs, base: Path) -> SegRun:
-    """``configs/cpu-seg.yaml`` for :data:`STEPS` steps on the session dataset (evaluated at the last), then
-    ``predict`` twice and upstream's ``from_checkpoint`` predict in a process without torch_xla."""
+    """``configs/cpu-seg.yaml`` for :data:`STEPS` steps on the session dataset (evaluated at the last) with
+    multi-scale buckets :data:`SCALES` and a 2 x 2 (data x fsdp) mesh, then ``predict`` twice and upstream's
+    ``from_checkpoint`` predict in a process without torch_xla."""
     cfg = yaml.safe_load((ROOT / "configs" / "cpu-seg.yaml").read_text())
     out = base / "run"
-    cfg["data"].update(dataset_dir=inputs.synth_dir, num_workers=0)
+    cfg["data"].update(dataset_dir=inputs.synth_dir, num_workers=0, multi_scale=True, scales=SCALES)
+    cfg["mesh"].update(fsdp=2)
     cfg["trainer"].update(output_dir=str(out), max_steps=STEPS, log_every=STEPS // 4)
     cfg["eval"].update(every_steps=STEPS, save_detections=True)
     config = base / "seg.yaml"
@@ -101,8 +105,13 @@ def final_record(run: SegRun) -> dict:
 
 @pytest.mark.slow
 def test_seg_fit_replays_and_reports_segm_map(seg_run: SegRun) -> None:
+    """Every bucket compiled before step 1 and replayed (one trace each, plus replay's check), FSDP sharding the
+    weights, mask losses logged, segm mAP beside bbox mAP in the record and the summary file."""
     record = final_record(seg_run)
-    assert record["step"] == STEPS and record["step_mode"] == "replay" and record["step_traces"] == 2
+    assert record["step"] == STEPS and record["step_mode"] == "replay" and record["step_traces"] == len(SCALES) + 1
+    assert all(f"multi-scale: compiled {size} px" in seg_run.fit.stdout + seg_run.fit.stderr for size in SCALES)
+    resolved = yaml.safe_load((seg_run.out / "config.yaml").read_text())
+    assert resolved["mesh"]["fsdp"] == 2 and resolved["mesh"]["cpu_devices"] == 4, resolved["mesh"]  # data: the rest
     assert record["loss_mask_ce"] > 0 and record["loss_mask_dice"] > 0
     assert record["eval/segm_mAP"] > 0.01, record  # a trained model, not a blank one
     summary = json.loads((seg_run.out / "eval" / f"step{STEPS:07d}_coco_eval.json").read_text())

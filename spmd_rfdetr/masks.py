@@ -66,7 +66,7 @@ def sample_targets(packed: Tensor, coords: Tensor) -> Tensor:
     slot = torch.arange(slots, device=packed.device)[None, :, None]
     rows = take_rows(packed.reshape(batch, slots * height, row_bytes), (slot * height + y).reshape(batch, -1))
     column = (x // 8).reshape(batch, -1, 1)
-    byte = torch.where(torch.arange(row_bytes, device=packed.device) == column, rows.to(torch.int32), 0).sum(-1)
+    byte = torch.where(torch.arange(row_bytes, device=packed.device) == column, rows, 0).sum(-1, dtype=torch.int32)
     bit = torch.bitwise_and(torch.bitwise_right_shift(byte, (x % 8).reshape(batch, -1).to(torch.int32)), 1)
     return bit.view(batch, slots, points).to(coords.dtype)
 

@@ -26,7 +26,8 @@
   tile read per element; its gradient, a scatter-add, it runs on all-gathered operands. The same bilinear sampling as
   four row lookups of all channels at once (:func:`~spmd_rfdetr.mesh.take_rows`, on each device's own images):
   measured on v5e for a sampler's forward and backward, 25x fewer bytes, 700x fewer temporaries, no collective.
-  Training only: the eval forward is compiled by dynamo, which cannot trace the manual-sharding region.
+  Training only: the eval forward is compiled by dynamo, which cannot trace the manual-sharding region. The seg
+  variants' ``point_sample`` (mask cost and losses, also under ``no_grad``) goes through the same rows.
 - ``SegmentationHead.sparse_forward`` (the seg variants' mask head, training): its bilinear upsampling of the
   spatial features has no XLA gradient (``aten::upsample_bilinear2d_backward`` ran on the host, a round trip inside
   the step). The same resize as two matrix products, as for the position table above.
@@ -102,24 +103,32 @@ def _install_mask_head_resize() -> None:
 
 
 def _install_row_lookups() -> None:
+    from rfdetr.models.heads import segmentation
     from rfdetr.models.ops.functions import ms_deform_attn_func
     from rfdetr.models.transformer import Transformer
 
-    upstream = ms_deform_attn_func._bilinear_grid_sample
-    if not getattr(upstream, "_spmd_rfdetr", False):
-
-        @functools.wraps(upstream)
-        def sample(input: torch.Tensor, grid: torch.Tensor, padding_mode: str = "zeros",
-                   align_corners: bool = False) -> torch.Tensor:
-            if input.device.type != "xla" or padding_mode not in ("zeros", "border") or not _may_patch():
-                return upstream(input, grid, padding_mode, align_corners)
-            return bilinear_sample_rows(input, grid, padding_mode, align_corners)
-
-        sample._spmd_rfdetr = True  # type: ignore[attr-defined]
-        ms_deform_attn_func._bilinear_grid_sample = sample
+    if not getattr(ms_deform_attn_func._bilinear_grid_sample, "_spmd_rfdetr", False):
+        ms_deform_attn_func._bilinear_grid_sample = _row_sampler(ms_deform_attn_func._bilinear_grid_sample, _may_patch)
+    if not getattr(segmentation._bilinear_grid_sample, "_spmd_rfdetr", False):  # point_sample: training only
+        segmentation._bilinear_grid_sample = _row_sampler(segmentation._bilinear_grid_sample,
+                                                          lambda: not torch.compiler.is_compiling())
     selection = Transformer._two_stage_group_selection
     if not getattr(selection, "_spmd_rfdetr", False):
         Transformer._two_stage_group_selection = _with_row_gathers(selection, batch_dim=1)
+
+
+def _row_sampler(upstream: Any, may_patch: Any) -> Any:
+    """rfdetr's ``_bilinear_grid_sample`` as :func:`bilinear_sample_rows` for XLA tensors when ``may_patch()``."""
+
+    @functools.wraps(upstream)
+    def sample(input: torch.Tensor, grid: torch.Tensor, padding_mode: str = "zeros",
+               align_corners: bool = False) -> torch.Tensor:
+        if input.device.type != "xla" or padding_mode not in ("zeros", "border") or not may_patch():
+            return upstream(input, grid, padding_mode, align_corners)
+        return bilinear_sample_rows(input, grid, padding_mode, align_corners)
+
+    sample._spmd_rfdetr = True  # type: ignore[attr-defined]
+    return sample
 
 
 _COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")

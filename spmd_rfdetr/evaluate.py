@@ -30,7 +30,6 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from spmd_rfdetr import hosts
 from spmd_rfdetr.coco import MAX_DETS, CocoMetrics, coco_metrics, detections_to_coco, label2cat_of
 from spmd_rfdetr.config import RunConfig
-from spmd_rfdetr.mesh import take_rows
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -112,6 +111,7 @@ class EvalForward:
     def _forward(self, images: torch.Tensor, orig_size: torch.Tensor,
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         from spmd_rfdetr.data import normalize_images
+        from spmd_rfdetr.mesh import take_rows  # imports torch_xla: inference chooses the device first
         from spmd_rfdetr.step import as_samples
 
         samples = as_samples(normalize_images(images))  # uint8 pixels -> rfdetr's normalised float32 input

@@ -20,7 +20,6 @@ padded batches:
 
 from __future__ import annotations
 
-from typing import Any
 
 import numpy as np
 import torch
@@ -133,8 +132,3 @@ def mask_losses(pred_masks: dict[str, Tensor], query: Tensor, batch: dict[str, T
     prob = logits.sigmoid()
     dice = 1 - (2 * (prob * labels).sum(-1) + 1) / (prob.sum(-1) + labels.sum(-1) + 1)
     return {"loss_mask_ce": (ce * valid).sum() / num_boxes, "loss_mask_dice": (dice * valid).sum() / num_boxes}
-
-
-def has_masks(outputs: dict[str, Any]) -> bool:
-    """Whether a model's outputs carry rfdetr's sparse mask head outputs."""
-    return isinstance(outputs.get("pred_masks"), dict)

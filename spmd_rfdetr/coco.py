@@ -39,21 +39,20 @@ def stat_names(max_dets: int = MAX_DETS) -> tuple[str, ...]:
 
 def detections_to_coco(
     rows: np.ndarray, image_ids: Iterable[int], label2cat: dict[int, int] | None,
-    masks: Sequence[np.ndarray] | None = None, sizes: Sequence[tuple[int, int]] | None = None,
+    segmentations: Sequence[list[dict[str, Any]]] | None = None,
 ) -> list[dict[str, Any]]:
     """COCO results from packed rows ``[N, K, 6]`` of real images, like rfdetr's ``CocoEvaluator.prepare``.
 
     ``label2cat`` maps rfdetr's label index back to the dataset's COCO ``category_id``; labels it does not map (e.g.
-    rfdetr's extra "no object" logit) are dropped, as upstream does. ``None`` keeps label indices as ids. ``masks``
-    (seg variants): each image's ``[K, h, w]`` mask logits at the mask head's resolution, with ``sizes`` its original
-    ``(height, width)``: each detection also gets its ``segmentation`` (:func:`mask_rles`).
+    rfdetr's extra "no object" logit) are dropped, as upstream does. ``None`` keeps label indices as ids.
+    ``segmentations`` (seg variants): each image's ``K`` COCO RLEs (:func:`mask_rles`), one per row.
     """
     results = []
     for n, (image_rows, image_id) in enumerate(zip(rows, image_ids)):
         boxes = image_rows[:, BOXES].astype(np.float32, copy=True)
         boxes[:, 2:] -= boxes[:, :2]  # xyxy -> xywh, in float32 like upstream's _xyxy_to_xywh
         scores, labels = image_rows[:, SCORE].tolist(), image_rows[:, LABEL].astype(np.int64).tolist()
-        rles = mask_rles(masks[n], sizes[n]) if masks is not None and sizes is not None else None
+        rles = segmentations[n] if segmentations is not None else None
         for k, (box, score, label) in enumerate(zip(boxes.tolist(), scores, labels)):
             category = label if label2cat is None else label2cat.get(label)
             if category is not None:

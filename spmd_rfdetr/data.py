@@ -88,12 +88,31 @@ def build_split(cfgs: UpstreamConfigs, split: str) -> Dataset[Any]:
     """rfdetr's dataset for ``split`` with its transforms at the fixed resolution, images as uint8 [3, R, R]
     (:func:`uint8_pixels`; the boxes are rfdetr's, normalised cxcywh)."""
     dataset = upstream_split(cfgs, split)
-    reader = dataset
-    while isinstance(reader, Subset):
-        reader = reader.dataset
-    if getattr(reader, "_transforms", None) is None:
-        raise TypeError(f"rfdetr built a {type(reader).__name__} without a transform pipeline to read as uint8")
+    reader = _reader(dataset)
     reader._transforms = uint8_pixels(reader._transforms)
+    return dataset
+
+
+def build_eval_split(cfgs: UpstreamConfigs, split: str) -> Dataset[Any]:
+    """``split`` read for evaluation: rfdetr's validation transforms at the model's resolution, whatever the split.
+    The train split's own transforms augment (flips, resize-crop jitter, multi-scale sizes): scored against the
+    original annotations they give a different mAP at every pass. rfdetr's builders pick transforms by split name, so
+    the train reader takes the valid split's pipeline (and decodes at full size, as the valid split does)."""
+    dataset = build_split(cfgs, split)
+    if split == "train":
+        reader, valid = _reader(dataset), _reader(upstream_split(cfgs, "valid"))
+        reader._transforms = uint8_pixels(valid._transforms)
+        if hasattr(reader, "_draft_size"):  # rfdetr's JPEG draft decode is for the train transforms' smaller sizes
+            reader._draft_size = getattr(valid, "_draft_size", None)
+    return dataset
+
+
+def _reader(dataset: Dataset[Any]) -> Any:
+    """The rfdetr dataset under any ``Subset``, which holds the transform pipeline."""
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    if getattr(dataset, "_transforms", None) is None:
+        raise TypeError(f"rfdetr built a {type(dataset).__name__} without a transform pipeline to read as uint8")
     return dataset
 
 
@@ -137,7 +156,9 @@ def normalize_images(images: torch.Tensor) -> torch.Tensor:
     """rfdetr's ``ToDtype(float32, scale=True)`` + ``Normalize`` on the device, in float32 and in its order
     (``x * (1/255)``, then ``(x - mean) / std``): pixels ``[B, 3, H, W]``, uint8 (or float32 values 0..255: a resized
     multi-scale batch, :class:`StaticCollate`) -> the model's float32 input. Called inside every compiled program that
-    feeds the model (training step, eval forward, predict)."""
+    feeds the model (training step, eval forward, predict). A traced program cannot look at the values: the collates
+    (:class:`StaticCollate`, ``evaluate.EvalCollate``) refuse samples that are not uint8 pixels (rfdetr's own
+    normalised float input would be normalised twice)."""
     if images.dtype not in (torch.uint8, torch.float32):
         raise TypeError(f"images are {images.dtype}: batches carry uint8 pixels (spmd_rfdetr.data.build_split), "
                         "which this normalises")
@@ -257,6 +278,10 @@ class StaticCollate:
     def _collate(self, samples: Sequence[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
         expected = (3, self.resolution, self.resolution)
         for image, target in samples:
+            if image.dtype != torch.uint8:  # a float sample is rfdetr's normalised input: normalised twice, silently
+                raise TypeError(f"image_id {int(target['image_id'])}: {image.dtype} pixels, expected uint8: every "
+                                "program normalises pixels itself, so read splits with spmd_rfdetr.data.build_split "
+                                "(rfdetr's transforms, pixels left uint8), not rfdetr's build_dataset")
             if tuple(image.shape) != expected:
                 raise ValueError(
                     f"image_id {int(target['image_id'])}: transformed to {tuple(image.shape)}, expected {expected}; "

@@ -18,7 +18,7 @@ import inspect
 import json
 import math
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ContextManager
@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from spmd_rfdetr import hosts
-from spmd_rfdetr.coco import MAX_DETS, CocoMetrics, coco_metrics, detections_to_coco, label2cat_of
+from spmd_rfdetr.coco import MAX_DETS, CocoMetrics, coco_metrics, detections_to_coco, label2cat_of, mask_rles
 from spmd_rfdetr.config import RunConfig
 
 
@@ -175,6 +175,10 @@ class EvalCollate:
     def __call__(self, samples: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
         r, b = self.resolution, self.rows
         for image, target in samples:
+            if image.dtype != torch.uint8:
+                raise TypeError(f"image_id {int(target['image_id'])}: {image.dtype} pixels, expected uint8: the eval "
+                                "program normalises pixels itself, so read the split with spmd_rfdetr.data.build_split "
+                                "(rfdetr's transforms, pixels left uint8), not rfdetr's build_dataset")
             if tuple(image.shape) != (3, r, r):
                 raise ValueError(
                     f"image_id {int(target['image_id'])}: transformed to {tuple(image.shape)}, expected {(3, r, r)}; "
@@ -234,40 +238,45 @@ class Detections:
     """``[N, K, 6]`` packed ``(score, label, x0, y0, x1, y1)`` rows."""
     image_ids: np.ndarray
     """``[N]``"""
-    masks: np.ndarray | None = None
-    """``[N, K, h, w]`` mask logits (seg variants), else ``None``."""
-    sizes: np.ndarray | None = None
-    """``[N, 2]`` original ``(height, width)`` of each image."""
+    segmentations: list[list[dict[str, Any]]] | None = None
+    """Seg variants: per image, its ``K`` detections' masks as COCO RLEs at the image's size (encoded batch by
+    batch: the mask logits of a split never sit in host memory together), else ``None``."""
 
     def to_coco(self, label2cat: dict[int, int] | None) -> list[dict[str, Any]]:
         """COCO results (with ``segmentation`` for a seg model)."""
-        sizes = [tuple(size) for size in self.sizes.tolist()] if self.sizes is not None else None
-        return detections_to_coco(self.rows, self.image_ids, label2cat, self.masks, sizes)
+        return detections_to_coco(self.rows, self.image_ids, label2cat, self.segmentations)
 
 
 def run_detection(
     forward: EvalForward,
     loader: Iterable[dict[str, torch.Tensor]],
     to_device: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    order: np.ndarray | None = None,
 ) -> Detections:
     """Run every batch through the compiled forward; returns the :class:`Detections` of the real images.
 
-    Each batch's result is fetched (one device->host transfer) after the next batch has been dispatched. On several
-    hosts each loads its rows and the result is the global array: its image ids are every host's, gathered over gloo
-    in host order (:func:`~spmd_rfdetr.hosts.gather_rows`). Padding rows (id -1) are dropped here.
+    Each batch's result is fetched (one device->host transfer) after the next batch has been dispatched; a seg
+    model's mask logits are encoded as RLEs right then, so host memory holds one batch of them. On several hosts each
+    loads its rows and the result is the global array: the image ids and sizes are every host's, gathered over gloo in
+    host order, then put in the global array's row order by ``order`` (:func:`mesh_row_order`; ``None``: the same
+    order, as on one host). Padding rows (id -1) are dropped here.
     """
-    parts: dict[str, list[np.ndarray]] = {"rows": [], "image_ids": [], "masks": [], "sizes": []}
-    pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None
+    parts: dict[str, list[Any]] = {"rows": [], "image_ids": [], "segmentations": []}
+    pending: tuple[Any, np.ndarray, np.ndarray] | None = None
 
-    def collect(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor], image_id: torch.Tensor,
-                orig_size: torch.Tensor) -> None:
-        real = image_id.numpy() >= 0
+    def collect(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor], image_id: np.ndarray,
+                orig_size: np.ndarray) -> None:
+        real = image_id >= 0
         rows, masks = out if isinstance(out, tuple) else (out, None)
         parts["rows"].append(rows.cpu().numpy()[real])
-        parts["image_ids"].append(image_id.numpy()[real])
-        parts["sizes"].append(orig_size.numpy()[real])
+        parts["image_ids"].append(image_id[real])
         if masks is not None:
-            parts["masks"].append(masks.cpu().numpy()[real])
+            logits = masks.cpu().numpy()
+            parts["segmentations"] += [mask_rles(logits[i], tuple(orig_size[i])) for i in np.flatnonzero(real)]
+
+    def in_global_order(rows: torch.Tensor) -> np.ndarray:
+        gathered = hosts.gather_rows(rows).numpy()
+        return gathered if order is None else gathered[order]
 
     with forward.eval_mode():
         for batch in loader:
@@ -275,13 +284,57 @@ def run_detection(
             out = forward(device_batch["images"], device_batch["orig_size"])
             if pending is not None:
                 collect(*pending)
-            pending = (out, hosts.gather_rows(batch["image_id"]), hosts.gather_rows(batch["orig_size"]))
+            pending = (out, in_global_order(batch["image_id"]), in_global_order(batch["orig_size"]))
         if pending is not None:
             collect(*pending)
     if not parts["rows"]:
         return Detections(np.zeros((0, 0, 6), np.float32), np.zeros((0,), np.int64))
-    joined = {key: np.concatenate(value) if value else None for key, value in parts.items()}
-    return Detections(**joined)
+    return Detections(np.concatenate(parts["rows"]), np.concatenate(parts["image_ids"]),
+                      parts["segmentations"] or None)
+
+
+def global_row_order(tile_devices: Sequence[int], host_devices: Sequence[Sequence[int]],
+                     rows_per_device: int) -> np.ndarray | None:
+    """Where each row of a batch-sharded global array comes from, as an index into the hosts' rows gathered in host
+    order (``None``: host order itself, as on one host).
+
+    With several processes torch_xla assembles the global array from each host's slice (``ShardingSpec(minibatch=
+    True)``): host ``h`` cuts its rows into equal blocks, block ``k`` for its ``k``-th device (``host_devices[h]``:
+    its devices' global ordinals in its runtime's order; ``ShardingUtil::GetShardIndicesForMinibatchTensor``), and
+    position ``p`` of the batch dimension holds device ``tile_devices[p]``'s block (the sharding's tile assignment:
+    the mesh's devices in batch-axis order). Where a host's devices are not one run of positions (TPU slices of 16+
+    chips number devices by chip coordinates) that is not host order.
+    """
+    owner = {device: (h, k) for h, devices in enumerate(host_devices) for k, device in enumerate(devices)}
+    per_host = len(host_devices[0])
+    if any(len(devices) != per_host for devices in host_devices) or sorted(owner) != sorted(tile_devices):
+        raise ValueError(f"the hosts' devices {list(map(list, host_devices))} are not the mesh's {list(tile_devices)}")
+    blocks = np.asarray([owner[device][0] * per_host + owner[device][1] for device in tile_devices])
+    if (blocks == np.arange(len(blocks))).all():
+        return None
+    return (blocks[:, None] * rows_per_device + np.arange(rows_per_device)[None, :]).reshape(-1)
+
+
+def mesh_row_order(mesh: Any, global_batch_size: int) -> np.ndarray | None:
+    """:func:`global_row_order` of a global batch of ``global_batch_size`` sharded on ``mesh``'s batch axes, from
+    every host's devices (gathered over gloo). Call it on every host (it is a collective)."""
+    import torch_xla
+
+    from spmd_rfdetr.mesh import BATCH_AXES
+
+    share = hosts.batch_share()
+    if share[1] == 1:  # one host sends whole batches (no minibatch assembly): the rows stay in their order
+        return None
+    names = list(mesh.axis_names)
+    if len(BATCH_AXES) != len(names):  # a mesh axis the batch is not split over would replicate the blocks
+        raise NotImplementedError(f"row order of a mesh {names} whose batch axes are {BATCH_AXES}")
+    axes = [names.index(a) for a in BATCH_AXES]
+    tile_devices = np.asarray(mesh.device_ids).reshape(mesh.mesh_shape).transpose(axes).reshape(-1).tolist()
+    local = [int(name.split(":")[-1]) for name in torch_xla._XLAC._xla_get_runtime_devices()]
+    gathered = hosts.gather_rows(torch.tensor(local, dtype=torch.int64), share).tolist()
+    per_host = len(gathered) // share[1]
+    host_devices = [gathered[h * per_host:(h + 1) * per_host] for h in range(share[1])]
+    return global_row_order(tile_devices, host_devices, global_batch_size // len(tile_devices))
 
 
 @dataclass
@@ -309,7 +362,8 @@ class Evaluator:
 
     Args:
         model: rfdetr's model on the XLA device (may be the one being trained; its mode is restored after a pass).
-        dataset: an rfdetr dataset split (``CocoDetection``/``YoloDetection`` or a ``Subset`` of one).
+        dataset: an rfdetr dataset split (``CocoDetection``/``YoloDetection`` or a ``Subset`` of one) read with
+            uint8 pixels, as :func:`spmd_rfdetr.data.build_eval_split` reads it (the program normalises them).
         mesh: the SPMD mesh; batches are sharded on its batch axes.
         global_batch_size: images per eval batch (the last one padded to it).
         resolution: the model's input resolution.
@@ -325,6 +379,7 @@ class Evaluator:
         from rfdetr.datasets import get_coco_api_from_dataset
 
         self.dataset = dataset
+        hosts.check_same_on_all_hosts("the number of images of the eval split", len(dataset))  # else: a hang
         self.coco_gt = get_coco_api_from_dataset(dataset)
         if self.coco_gt is None:
             raise ValueError(f"{type(dataset).__name__} has no COCO ground truth to evaluate against")
@@ -336,10 +391,11 @@ class Evaluator:
         replicate_parameters(self.forward.model, mesh)
         self.loader = eval_loader(dataset, global_batch_size, resolution, num_workers)
         self.to_device = device_sender(mesh)
+        self.order = mesh_row_order(mesh, global_batch_size)  # several hosts: the global batch's row order
 
     def detect(self) -> tuple[list[dict[str, Any]], list[int], int]:
         """COCO results of every image of the split, their image ids and the batch count."""
-        found = run_detection(self.forward, self.loader, self.to_device)
+        found = run_detection(self.forward, self.loader, self.to_device, self.order)
         return found.to_coco(self.label2cat), found.image_ids.tolist(), len(self.loader)
 
     def run(self) -> EvalResult:

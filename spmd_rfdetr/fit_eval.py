@@ -138,11 +138,11 @@ def fit_evaluation(cfg: RunConfig, cfgs: Any, model: torch.nn.Module, fabric: An
     every_steps = cfg.eval.every_steps if every_steps is None else every_steps
     if every_steps <= 0:
         return None
-    from spmd_rfdetr.data import build_split
+    from spmd_rfdetr.data import build_eval_split
     from spmd_rfdetr.fabric import replicate_parameters
 
     e = cfg.eval
-    evaluator = evaluator_for(cfg, cfgs, model, fabric, build_split(cfgs, e.split))
+    evaluator = evaluator_for(cfg, cfgs, model, fabric, build_eval_split(cfgs, e.split))
     if raw_model is not None:
         replicate_parameters(raw_model, evaluator.mesh)  # as the evaluated copy's, before the first training step
     return FitEvaluation(evaluator, every_steps, Path(cfg.trainer.output_dir), e.save_detections,

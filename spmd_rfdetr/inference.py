@@ -24,6 +24,7 @@ from spmd_rfdetr.evaluate import (
     eval_loader,
     eval_sizes,
     evaluator_for,
+    mesh_row_order,
     run_detection,
     save_result,
 )
@@ -73,10 +74,10 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: str, output_dir: str | None 
     ``output_dir`` defaults to ``<checkpoint dir>/eval_<checkpoint stem>_<split>``.
     """
     cfg, fabric, cfgs, net = load_for_inference(cfg, checkpoint)
-    from spmd_rfdetr.data import build_split  # imports rfdetr, which starts torch_xla: after the device is chosen
+    from spmd_rfdetr.data import build_eval_split  # imports rfdetr, which starts torch_xla: after the device is chosen
 
     check_data(cfg, [cfg.eval.split])  # the split's annotations and images, before the eval program compiles
-    result = evaluator_for(cfg, cfgs, net, fabric, build_split(cfgs, cfg.eval.split)).run()
+    result = evaluator_for(cfg, cfgs, net, fabric, build_eval_split(cfgs, cfg.eval.split)).run()
     out = Path(output_dir) if output_dir else Path(checkpoint).parent / f"eval_{Path(checkpoint).stem}_{cfg.eval.split}"
     summary = save_result(result, out)
     print(result.table(), flush=True)
@@ -96,6 +97,7 @@ def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
     from spmd_rfdetr.data import uint8_pixels
 
     folder = ImageFolder(images, uint8_pixels(eval_transforms(cfgs)))  # uint8 pixels, as an eval split's
+    hosts.check_same_on_all_hosts(f"the number of images in {images}", len(folder))  # else: a hang
     label2cat = label2cat_for(cfg.data.dataset_dir)
     if label2cat is None:
         log.warning("%s has no readable train/_annotations.coco.json: category_id is the label index",
@@ -103,7 +105,8 @@ def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
     batch_size, num_select = eval_sizes(cfg, cfgs)
     forward = EvalForward(net, num_select, fabric.strategy.precision.forward_context)
     loader = eval_loader(folder, batch_size, cfgs.model.resolution, cfg.data.num_workers)
-    results = run_detection(forward, loader, device_sender(fabric.strategy.mesh)).to_coco(label2cat)
+    order = mesh_row_order(fabric.strategy.mesh, batch_size)  # several hosts: the global batch's row order
+    results = run_detection(forward, loader, device_sender(fabric.strategy.mesh), order).to_coco(label2cat)
     out = Path(output)
     if hosts.is_coordinator():  # several hosts hold the same global detections: host 0 writes them
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,18 +4,20 @@ compilation cache, precision names.
 The persistent compilation cache (``trainer.compile_cache_dir``, default ``~/.cache/spmd_rfdetr/xla``) is on for TPUs:
 a restarted or resumed run loads its graphs instead of compiling them (``xla_cache_loads``/``xla_cache_misses`` in
 ``metrics.jsonl``; ``pytest -m tpu`` checks a second run misses nothing). It is off on the XLA CPU backend, where
-torch_xla 2.9 cannot read its own entries back (``PersistentCacheDeserializeFailure``). With several hosts, host 0
-writes new entries and the others open the cache read-only.
+torch_xla 2.9 cannot read its own entries back (``PersistentCacheDeserializeFailure``). With several hosts and a
+directory they all mount, host 0 writes new entries and the others open it read-only; a directory that is each VM's
+own (the default, on its local disk) is written by every host, with a warning (:func:`shared_by_all_hosts`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import uuid
 from pathlib import Path
 
 from spmd_rfdetr.config import MeshOptions
-from spmd_rfdetr.hosts import is_coordinator, join_hosts
+from spmd_rfdetr.hosts import any_host, barrier, from_coordinator, is_coordinator, join_hosts, process_count
 from spmd_rfdetr.quiet import xla_note
 
 log = logging.getLogger(__name__)
@@ -59,7 +61,32 @@ def _compile_cache(cache_dir: str | None, writer: bool) -> str | None:
         return None
     path = cache_dir or str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "spmd_rfdetr" / "xla")
     Path(path).mkdir(parents=True, exist_ok=True)
+    shared = shared_by_all_hosts(Path(path))
+    if not shared:  # each VM's own disk: read-only, it would never get an entry and every restart would compile
+        writer = True
+        if is_coordinator():
+            log.warning("persistent XLA compilation cache: %s is not one directory of all %d hosts (each VM has its "
+                        "own): every host compiles and keeps its own entries. Set trainer.compile_cache_dir to a "
+                        "directory every host mounts (NFS, gcsfuse) and host 0 compiles once for all.", path,
+                        process_count())
     xr.initialize_cache(path, readonly=not writer)
     log.info("persistent XLA compilation cache: %s (a run with the same graphs loads them instead of compiling%s)", path,
              "" if writer else "; read-only on this host, host 0 writes")
     return path
+
+
+def shared_by_all_hosts(path: Path) -> bool:
+    """Whether every host sees host 0's ``path`` (a shared mount) rather than a directory of its own: host 0 writes
+    a marker named by a token it sends to all, every host looks for it (a collective; one host: ``True``)."""
+    if process_count() == 1:
+        return True
+    token = from_coordinator(lambda: uuid.uuid4().hex.encode()).decode()
+    marker = path / f".spmd_rfdetr-host0-{token}"
+    if is_coordinator():
+        marker.write_text(token)
+    barrier()
+    shared = not any_host(not marker.exists())
+    barrier()
+    if is_coordinator():
+        marker.unlink(missing_ok=True)
+    return shared

@@ -17,11 +17,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import read_metrics
 from jobs import JobInputs, job_fixture
+from spmd_rfdetr import hosts
 from spmd_rfdetr.data import TrainBatches
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,6 +56,12 @@ batches = iter(TrainBatches(32, 8, seed=3, start_step=2, host=(rank, count)))
 out["rows"] = [next(batches) for _ in range(6)]
 import torch
 out["gathered"] = hosts.gather_rows(torch.tensor([10 * rank, 10 * rank + 1]), share=(rank, count)).tolist()
+import pathlib
+from spmd_rfdetr.runtime import shared_by_all_hosts
+cache = pathlib.Path(sys.argv[5])
+(cache / "shared").mkdir(parents=True, exist_ok=True)
+(cache / f"own{rank}").mkdir(parents=True)
+out["cache_shared"] = [shared_by_all_hosts(cache / "shared"), shared_by_all_hosts(cache / f"own{rank}")]
 from spmd_rfdetr.coco import CocoMetrics
 from spmd_rfdetr.evaluate import EvalResult, save_result
 metrics = CocoMetrics({"mAP": 0.5}, [], num_images=1, num_detections=1)
@@ -96,7 +104,8 @@ def free_port() -> int:
 def test_two_gloo_hosts_agree_on_stop_and_sizes_and_split_the_global_batch(tmp_path):
     port, count = free_port(), 2
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
-    procs = [subprocess.Popen([sys.executable, "-c", HOST, str(rank), str(count), str(port), str(tmp_path)], cwd=ROOT, env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", HOST, str(rank), str(count), str(port), str(tmp_path),
+                               str(tmp_path.parent / f"{tmp_path.name}-cache")], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(count)]
     results = []
     for proc in procs:
@@ -106,6 +115,9 @@ def test_two_gloo_hosts_agree_on_stop_and_sizes_and_split_the_global_batch(tmp_p
     assert [r["host"] for r in results] == [[0, 2], [1, 2]]
     assert [r["coordinator"] for r in results] == [True, False]
     assert [r["gathered"] for r in results] == [[0, 1, 10, 11]] * 2  # eval's image ids of the global array
+    # the compile cache: a directory both hosts mount vs each VM's own (the default ~/.cache): then every host writes
+    assert [r["cache_shared"] for r in results] == [[True, False]] * 2
+    assert not [p for p in (tmp_path.parent / f"{tmp_path.name}-cache").rglob(".spmd_rfdetr-host0-*")]  # cleaned up
     assert [r["any_on_host_1"] for r in results] == [True, True]
     assert [r["any_on_none"] for r in results] == [False, False]
     assert [r["sigterm_here"] for r in results] == [False, True]  # the real signal reached host 1 only ...
@@ -184,3 +196,51 @@ def test_two_hosts_fit_and_evaluate_as_one_host_with_a_gloo_default_group(two_ho
     assert summary["num_images"] == len(valid["images"]), summary  # every image once, no padding row scored
     assert (host0 / "last.pth").is_file() and (host0 / "metrics.jsonl").is_file()
     assert not [p for p in host1.rglob("*") if p.is_file()], list(host1.rglob("*"))  # host 1 writes nothing
+
+
+def assembled_rows(tile_devices: list[int], host_devices: list[list[int]], host_rows: list[list[int]]) -> list[int]:
+    """The global array torch_xla builds from each host's rows with ``ShardingSpec(minibatch=True)``, as its
+    ``ShardTensor`` does: host ``h``'s rows cut into one block per local device, block ``k`` to ``host_devices[h][k]``,
+    and batch position ``p`` holding device ``tile_devices[p]``'s block."""
+    per_device = len(host_rows[0]) // len(host_devices[0])
+    block = {device: host_rows[h][k * per_device:(k + 1) * per_device]
+             for h, devices in enumerate(host_devices) for k, device in enumerate(devices)}
+    return [row for device in tile_devices for row in block[device]]
+
+
+def test_eval_ids_follow_the_global_arrays_rows_on_interleaved_hosts():
+    """A v5e/v6e slice of 16+ chips numbers devices by chip coordinates: with 2 hosts of 4 chips on a 2x4 slice host 0
+    drives devices {0, 1, 4, 5} and host 1 {2, 3, 6, 7}. The global array's rows are then not host 0's rows followed by
+    host 1's: every image id must still be paired with its own detections."""
+    from spmd_rfdetr.evaluate import global_row_order
+
+    tile = list(range(8))  # the mesh's devices in batch order (build_mesh: np.arange)
+    host_devices = [[0, 1, 4, 5], [2, 3, 6, 7]]
+    ids = list(range(100, 116))  # a global eval batch of 16 images, 2 per device
+    host_rows = [hosts.host_rows(ids, h, 2) for h in range(2)]  # what each host loads (EvalBatches)
+    detections = [image_id * 10 for image_id in assembled_rows(tile, host_devices, host_rows)]  # the program's rows
+    gathered = np.asarray(host_rows[0] + host_rows[1])  # image ids gathered over gloo in host order
+    order = global_row_order(tile, host_devices, rows_per_device=2)
+    assert order is not None and [i * 10 for i in gathered[order]] == detections
+    assert [i * 10 for i in gathered] != detections  # host order (what eval assumed) pairs ids with others' rows
+    assert global_row_order(tile, [[0, 1, 2, 3], [4, 5, 6, 7]], rows_per_device=2) is None  # contiguous: host order
+
+
+def test_the_minibatch_assembly_follows_the_tile_assignment():
+    """The rule :func:`~spmd_rfdetr.evaluate.global_row_order` encodes, checked on torch_xla itself: one process,
+    ``minibatch=True`` and a mesh whose devices are not in ordinal order (as a host's positions on an interleaved
+    slice): the global array's rows are the process's blocks placed by device, not its rows in order."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+
+    from spmd_rfdetr.evaluate import global_row_order
+
+    tile = [2, 0, 3, 1]
+    mesh = xs.Mesh(np.asarray(tile), (4, 1), ("data", "fsdp"))
+    rows = torch.arange(8)
+    placed = xm.send_cpu_data_to_device(rows, torch_xla.device(), xs.ShardingSpec(mesh, (("data", "fsdp"),),
+                                                                                 minibatch=True))[0]
+    local = [int(name.split(":")[-1]) for name in torch_xla._XLAC._xla_get_runtime_devices()]
+    order = global_row_order(tile, [local], rows_per_device=2)
+    assert placed.cpu().tolist() == rows[order].tolist() != rows.tolist()

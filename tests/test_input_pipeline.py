@@ -144,3 +144,19 @@ def test_nan_fault_injection_makes_the_boxes_nan(tiny, monkeypatch: pytest.Monke
     monkeypatch.setenv(NAN_BATCH_ENV, "1")
     evaluation = SPMDDataLoader([], build_mesh(), torch_xla.device()).to_device({"images": batch["images"]})
     assert torch.equal(evaluation["images"].cpu(), batch["images"])
+
+
+def test_normalised_float_samples_are_refused_by_both_collates(tiny) -> None:
+    """rfdetr's own splits give normalised float32 images; every program normalises pixels itself, so such samples
+    would be normalised twice (train) or cast to uint8 garbage (eval): both collates refuse them, naming the image."""
+    from spmd_rfdetr.data import upstream_split
+    from spmd_rfdetr.evaluate import EvalCollate
+
+    resolution = tiny.cfgs.model.resolution
+    float_sample = upstream_split(tiny.cfgs, "valid")[0]  # rfdetr's build_dataset: normalised float32
+    uint8_sample = build_split(tiny.cfgs, "valid")[0]
+    assert float_sample[0].dtype == torch.float32 and float_sample[0].min() < 0
+    for collate in (StaticCollate(tiny.cfg.data.max_targets, resolution), EvalCollate(2, resolution)):
+        with pytest.raises(TypeError, match=r"image_id \d+: torch.float32 pixels, expected uint8"):
+            collate([float_sample, uint8_sample])
+        assert collate([uint8_sample, uint8_sample])["images"].dtype == torch.uint8

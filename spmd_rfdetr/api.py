@@ -27,9 +27,14 @@ UPSTREAM_NAMES = {
     "use_ema": "model.ema",
     "ema_decay": "model.ema_decay",
     "num_workers": "data.num_workers",
-    "warmup_steps": "optim.warmup_steps",
+    "warmup_epochs": "optim.warmup_epochs",  # resolved to steps once the train split's size is known, as epochs
+    "grad_accum_steps": "optim.accumulate",  # rfdetr's batch_size is per micro-batch: see _per_step_batch
     "seed": "trainer.seed",
     "resume": "trainer.resume",
+    "early_stopping": "eval.early_stopping",
+    "early_stopping_patience": "eval.early_stopping_patience",
+    "early_stopping_min_delta": "eval.early_stopping_min_delta",
+    "early_stopping_use_ema": "eval.early_stopping_use_ema",
 }
 
 
@@ -42,13 +47,14 @@ class TrainResult:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
-def train(variant: str = "nano", *, config: str | None = None, epochs: float | None = None,
+def train(variant: str | None = None, *, config: str | None = None, epochs: float | None = None,
           max_steps: int | None = None, options: dict[str, Any] | None = None, verbose: bool = False,
           **upstream: Any) -> TrainResult:
     """Train RF-DETR ``variant`` on the device mesh of this process, as ``fit`` does; returns a :class:`TrainResult`.
 
     Args:
-        variant: ``nano``, ``small``, ``medium``, ``large`` or ``base`` (rfdetr's ``RFDETRNano`` ...).
+        variant: ``nano``, ``small``, ``medium``, ``large``, ``base`` or a ``seg-*`` variant (rfdetr's ``RFDETRNano``
+            ...); ``None``: the config's (a recipe's variant stands), else ``nano``.
         config: a YAML recipe (``configs/v5e.yaml`` ...) the other arguments override.
         epochs: passes over the train split (``trainer.epochs``); or
         max_steps: optimizer steps (``trainer.max_steps``); neither: the config's.
@@ -57,7 +63,10 @@ def train(variant: str = "nano", *, config: str | None = None, epochs: float | N
             :mod:`spmd_rfdetr.quiet`).
         **upstream: rfdetr's argument names (:data:`UPSTREAM_NAMES`), e.g. ``dataset_dir``, ``batch_size``, ``lr``;
             ``pretrain_weights`` as the CLI's (default ``"auto"``: the variant's published weights, as rfdetr's
-            ``RFDETRNano()`` fine-tunes; ``None``: from scratch).
+            ``RFDETRNano()`` fine-tunes; ``None``: from scratch). ``grad_accum_steps=k`` with ``batch_size=b`` is
+            rfdetr's ``b`` images per device per micro-batch, ``k`` micro-batches per optimizer step (our
+            ``data.per_device_batch_size = b * k``, ``optim.accumulate = k``; ours normalises the losses by the whole
+            step's box count where rfdetr normalises each micro-batch by its own).
 
     Raises ``ConfigError``/``DataError``/``FileNotFoundError`` with the CLI's messages (before anything compiles).
     """
@@ -67,8 +76,22 @@ def train(variant: str = "nano", *, config: str | None = None, epochs: float | N
     from spmd_rfdetr.cli import LOG_FORMAT, run_config
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # the CLI's log lines (a no-op if logging is set up)
-    from spmd_rfdetr.config import ConfigError
+    from spmd_rfdetr.hosts import leave_hosts
     from spmd_rfdetr.loop import fit
+
+    cfg = run_config(fit_arguments(variant, config=config, epochs=epochs, max_steps=max_steps, options=options,
+                                   **upstream))
+    weights = fit(cfg)
+    leave_hosts()  # several hosts: leave the gloo group together, as the CLI does (gloo may abort at exit otherwise)
+    records = Path(cfg.trainer.output_dir) / "metrics.jsonl"
+    lines = records.read_text().splitlines() if records.exists() else []
+    return TrainResult(Path(weights), json.loads(lines[-1]) if lines else {})
+
+
+def fit_arguments(variant: str | None = None, *, config: str | None = None, epochs: float | None = None,
+                  max_steps: int | None = None, options: dict[str, Any] | None = None, **upstream: Any) -> list[str]:
+    """:func:`train`'s arguments as ``fit``'s command line (``--config`` first: the options after it override it)."""
+    from spmd_rfdetr.config import ConfigError
 
     unknown = sorted(set(upstream) - set(UPSTREAM_NAMES))
     if unknown:
@@ -76,17 +99,22 @@ def train(variant: str = "nano", *, config: str | None = None, epochs: float | N
                           f"{', '.join(UPSTREAM_NAMES)}; any other option goes in options={{'section.field': value}}")
     if epochs is not None and max_steps is not None:
         raise ConfigError("train(): give epochs or max_steps, not both")
-    values = {"model.variant": variant, **{UPSTREAM_NAMES[k]: v for k, v in upstream.items()}, **(options or {})}
+    values = {**({"model.variant": variant} if variant is not None else {}),
+              **{UPSTREAM_NAMES[k]: v for k, v in _per_step_batch(upstream).items()}, **(options or {})}
     if max_steps is not None:
         values["trainer.max_steps"] = max_steps
     if epochs is not None:
         values["trainer.epochs"] = epochs
     argv = (["--config", config] if config else []) + [f"--{key}={_cli_value(value)}" for key, value in values.items()]
-    cfg = run_config(argv)
-    weights = fit(cfg)
-    records = Path(cfg.trainer.output_dir) / "metrics.jsonl"
-    lines = records.read_text().splitlines() if records.exists() else []
-    return TrainResult(Path(weights), json.loads(lines[-1]) if lines else {})
+    return argv
+
+
+def _per_step_batch(upstream: dict[str, Any]) -> dict[str, Any]:
+    """rfdetr's ``batch_size`` counts one micro-batch; ours (``data.per_device_batch_size``) one optimizer step."""
+    steps = upstream.get("grad_accum_steps")
+    if steps is None or "batch_size" not in upstream:
+        return upstream
+    return {**upstream, "batch_size": int(upstream["batch_size"]) * int(steps)}
 
 
 def _cli_value(value: Any) -> str:

@@ -123,6 +123,9 @@ class OptimOptions:
     warmup_steps: int = 0
     """Linear warmup steps: step ``s`` (from 0) of ``w`` uses ``(s + 1) / (w + 1)`` of the LR, never 0. rfdetr's is
     ``s / w`` (its first step has LR 0 and does not move the weights); both reach the full LR at step ``w``."""
+    warmup_epochs: float | None = None
+    """rfdetr's unit for the warmup: passes over the train split, converted to ``warmup_steps`` when ``fit`` starts
+    (as ``trainer.epochs``; it replaces ``warmup_steps``); ``None``: ``warmup_steps`` counts."""
     schedule: Literal["cosine", "step", "constant"] = "cosine"
     """LR schedule after warmup: ``cosine`` (to ``min_lr_factor`` at ``trainer.max_steps``) and ``step`` (see
     ``lr_drop_step``) use rfdetr's formulas; ``constant`` keeps the peak (rfdetr has no such preset: its ``step``

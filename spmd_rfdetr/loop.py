@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import yaml
 
-from spmd_rfdetr import hosts
+from spmd_rfdetr import checkpoint, hosts
 from spmd_rfdetr.checks import check_data
 from spmd_rfdetr.config import RunConfig, is_segmentation
 from spmd_rfdetr.resolve import (eval_every_steps, fetch_pretrain_weights, multi_scale_buckets, resolve_and_check,
@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 class NonFiniteLoss(RuntimeError):
     """Training stopped: a step's loss or gradient norm was NaN/inf (``trainer.on_nonfinite=stop``)."""
 
+
+#: Fault injection for tests: the loop sends its own process a real SIGTERM right after dispatching this step.
+SIGTERM_AT_STEP_ENV = "SPMD_RFDETR_TEST_SIGTERM_AT_STEP"
 
 #: The loop warns once when it waited for batches longer than this share of the time since the last log point.
 DATA_BOUND_SHARE = 0.10
@@ -71,12 +74,17 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
     import torch_xla.runtime as xr
 
     resolve_and_check(cfg, xr.global_runtime_device_count())
-    fetch_pretrain_weights(cfg.model)  # on disk (downloaded now if published) or one ConfigError, before any compile
+    t, d = cfg.trainer, cfg.data
+    out = Path(t.output_dir)
+    resume_from = checkpoint.latest(out) if t.resume == "auto" else t.resume
+    if resume_from:  # the checkpoint holds every weight: the starting weights are neither fetched nor loaded
+        log.info("resuming from %s: model.pretrain_weights is not read", resume_from)
+    else:
+        fetch_pretrain_weights(cfg.model)  # on disk (downloaded now if published) or one ConfigError, before any compile
     check_start = time.perf_counter()
     data_report = check_data(cfg)  # every data problem at once, before anything is built or compiled (DataError)
     check_s = time.perf_counter() - check_start
 
-    from spmd_rfdetr import checkpoint
     from spmd_rfdetr.build import build_trainer, unwrap
     from spmd_rfdetr.data import (blank_batch, build_split, check_overflow, class_names, first_uses, make_train_loader,
                                   num_classes_in)
@@ -87,8 +95,6 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
     from spmd_rfdetr.model import upstream_configs
     from spmd_rfdetr.weights import rfdetr_entries
 
-    t, d = cfg.trainer, cfg.data
-    out = Path(t.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     fabric = spmd_fabric(build_mesh(cfg.mesh.data, cfg.mesh.fsdp), precision=PRECISIONS[t.precision])
     fabric.seed_everything(t.seed)
@@ -102,9 +108,12 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
         t.max_steps = max(1, round(t.epochs * steps_per_epoch(cfg, len(train_set))))
         log.info("trainer.epochs=%g: %d steps of %d images over %d train images", t.epochs, t.max_steps,
                  d.global_batch_size, len(train_set))
-    trainer = build_trainer(fabric, cfgs, cfg.optim, t, ema=cfg.model, mesh=cfg.mesh)
+    if cfg.optim.warmup_epochs is not None:  # rfdetr's warmup unit
+        cfg.optim.warmup_steps = round(cfg.optim.warmup_epochs * steps_per_epoch(cfg, len(train_set)))
+        log.info("optim.warmup_epochs=%g: %d warmup steps", cfg.optim.warmup_epochs, cfg.optim.warmup_steps)
+    built = cfgs.without_weights() if resume_from else cfgs  # (the checkpoint's weights replace them)
+    trainer = build_trainer(fabric, built, cfg.optim, t, ema=cfg.model, mesh=cfg.mesh)
     step_fn = trainer.step
-    resume_from = checkpoint.latest(out) if t.resume == "auto" else t.resume
     meta = checkpoint.load(resume_from, checkpoint.training_state(trainer)) if resume_from else {"step": 0}
     start = meta["step"]
     if resume_from:
@@ -154,10 +163,15 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
     weights = "ema" if trainer.ema is not None else "raw"
     every = cfg.checkpointing.every_steps
 
-    def save_state(step: int) -> Path:
+    def save_state(step: int, **extra: Any) -> Path:
         kept = evaluation.state() if evaluation is not None else {"best_map": None}
         state = checkpoint.training_state(trainer)
-        return checkpoint.save(out, step, state, {**kept, "config": resolved}, cfg.checkpointing.keep)
+        return checkpoint.save(out, step, state, {**kept, "config": resolved, **extra}, cfg.checkpointing.keep)
+
+    if meta.get("early_stopped"):  # a relaunch (--trainer.resume auto) of a run that stopped early trains no more
+        log.info("%s: this run stopped early at step %d (early stopping); nothing left to train", resume_from, start)
+        metrics.close()
+        return save_weights(out / "last.pth", start)
 
     if buckets and step_fn.mode == "replay":
         precompile_buckets(step_fn, buckets, lambda size: spmd_loader.place(
@@ -168,16 +182,20 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
     executed_start = execute_seconds()
     ready_s = window_start - started  # start-up: runtime, data check, build, loader, bucket compiles
     host_s = 0.0  # the loop's own time outside log points, waits for batches included
+    sigterm_at = int(os.environ.get(SIGTERM_AT_STEP_ENV, "0"))
     for step in range(start + 1, t.max_steps + 1):
         iteration_start = time.perf_counter()
         stats = step_fn(next(batches))
         window_steps += 1
-        eval_now = evaluation is not None and evaluation.due(step, t.max_steps)
+        if step == sigterm_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # fault injection (SIGTERM_AT_STEP_ENV): a real signal, now
+        stop = hosts.any_host(preemption.requested)  # a SIGTERM on one host stops them all at this step
+        # a pending stop saves at once: the notice (~30 s on a spot VM) is shorter than an evaluation
+        eval_now = not stop and evaluation is not None and evaluation.due(step, t.max_steps)
         if eval_now and step_fn.check_pending and step < t.max_steps:  # e.g. a resumed run's first step
             upcoming = next(batches)
             step_fn.check_ahead(upcoming)  # replay's check traces the next step before the evaluation can change it
             batches = itertools.chain([upcoming], batches)
-        stop = hosts.any_host(preemption.requested)  # a SIGTERM on one host stops them all at this step
         save_now = stop or (every > 0 and step % every == 0)
         host_s += time.perf_counter() - iteration_start
         warming_up = step <= start + 2  # replay's two traces: each a log point, so its compiles are told apart
@@ -234,6 +252,7 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
                              "%.4f)", step, evaluation.watched, cfg.eval.early_stopping_min_delta, evaluation.stale,
                              evaluation.stopping_best)
                     record["early_stopped"] = True
+                    save_state(step, early_stopped=True)  # a relaunch with --trainer.resume auto ends here too
                     metrics.write(record)
                     last_step = step
                     break

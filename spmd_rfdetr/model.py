@@ -8,6 +8,7 @@ formulas after a warm-up of its own (:func:`lr_factor` says where it differs).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import warnings
@@ -49,6 +50,10 @@ class UpstreamConfigs:
     def namespace(self) -> Any:
         """rfdetr's legacy builder namespace (model, criterion and dataset builders read it)."""
         return _namespace_from_configs(self.model, self.train)
+
+    def without_weights(self) -> UpstreamConfigs:
+        """The same model built from scratch (a resumed run: its checkpoint holds every weight)."""
+        return dataclasses.replace(self, model=self.model.model_copy(update={"pretrain_weights": None}))
 
 
 def upstream_configs(model: ModelOptions, data: DataOptions, optim: OptimOptions, num_classes: int,

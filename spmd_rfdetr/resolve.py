@@ -82,6 +82,8 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
     if cfg.trainer.epochs is not None and not cfg.trainer.epochs > 0:
         problems.append(f"trainer.epochs={cfg.trainer.epochs} must be > 0 (or unset: trainer.max_steps counts)")
     e = cfg.eval
+    if cfg.optim.warmup_epochs is not None and not cfg.optim.warmup_epochs >= 0:
+        problems.append(f"optim.warmup_epochs={cfg.optim.warmup_epochs} must be >= 0")
     if e.every_epochs is not None and e.every_steps != 0:
         problems.append(f"eval.every_steps={e.every_steps} and eval.every_epochs={e.every_epochs} are both set: "
                         "evaluate in steps or in epochs (eval.every_steps: 0 with eval.every_epochs)")
@@ -180,6 +182,13 @@ def num_select_problem(num_select: int, num_queries: int, num_classes: int) -> s
         return None
     return (f"eval.num_select={num_select} is more than the {limit} logits the model outputs per image (its "
             f"{num_queries} queries x (num_classes {num_classes} + 1)): use at most {limit}, or leave it unset")
+
+
+def published_names() -> list[str]:
+    """The file names of rfdetr's published weights (``rf-detr-nano.pth`` ...)."""
+    from rfdetr.assets.model_weights import ModelWeights
+
+    return list(ModelWeights.list_models())
 
 
 def fetch_pretrain_weights(model: ModelOptions) -> None:
@@ -318,11 +327,13 @@ def _model_problems(cfg: RunConfig) -> list[str]:
         value = getattr(m, name)
         if value is not None and value < 1:
             problems.append(f"model.{name}={value} must be >= 1")
-    if m.backbone_blocks is not None and m.backbone_blocks >= 1 and m.pretrain_weights is not None:
+    published = m.pretrain_weights is not None and (m.pretrain_weights == AUTO_WEIGHTS or os.path.basename(
+        str(m.pretrain_weights)) in published_names())  # a local weight file (a fit's own, same backbone) may fit
+    if m.backbone_blocks is not None and m.backbone_blocks >= 1 and published:
         weights = m.pretrain_weights if m.pretrain_weights != AUTO_WEIGHTS else \
             f"{AUTO_WEIGHTS} (the default: {published_weights(m.variant)})"
         problems.append(f"model.backbone_blocks={m.backbone_blocks} builds a backbone no published weights fit, but "
                         f"model.pretrain_weights={weights} starts from weights: set model.pretrain_weights: null "
-                        "(--model.pretrain_weights null) to train it from scratch, or leave model.backbone_blocks "
-                        "unset")
+                        "(--model.pretrain_weights null) to train it from scratch, pass a weight file of the same "
+                        "backbone, or leave model.backbone_blocks unset")
     return problems

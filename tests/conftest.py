@@ -84,6 +84,7 @@ import yaml  # noqa: E402
 
 from jobs import JOBS, Background, JobInputs, job_fixture, jobs_of  # noqa: E402
 from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions, RunConfig, TrainerOptions  # noqa: E402
+from spmd_rfdetr.loop import SIGTERM_AT_STEP_ENV  # noqa: E402
 
 # The one tiny RF-DETR every in-process test compiles (graphs are shared within the process: keep shapes identical).
 #: From scratch (``pretrain_weights=None``, as every model the suite builds): the suite downloads nothing.
@@ -109,6 +110,8 @@ LOOP_STEPS = 24
 #: The preempted run's evaluations: every 0.6 epochs (``eval.every_epochs``) of the loop fit's 40 train images in
 #: batches of 8 (5 steps per epoch), so every 3 steps, the first one before its SIGTERM.
 PREEMPTED_EVAL_EPOCHS, PREEMPTED_EVAL_EVERY = 0.6, 3
+#: The first process of the preempted run sends itself SIGTERM at this step, an evaluation step.
+PREEMPTED_SIGTERM_STEP = 2 * PREEMPTED_EVAL_EVERY
 
 
 def job_order(item: pytest.Item) -> int:
@@ -450,10 +453,12 @@ class PreemptedRun:
 def preempted_run(inputs: JobInputs, base: Path) -> PreemptedRun:
     """``fit`` as a user runs it, on the loop fit's config (a checkpoint every 8 steps, keep 2), evaluated every
     :data:`PREEMPTED_EVAL_EPOCHS` epochs, the raw weights too (``eval.base_model``), with early stopping that counts but
-    never stops (an improvement must be 1.0 mAP; patience 100): a real SIGTERM once step 3 (evaluated) is logged (the
-    step in flight finishes, its state is saved, exit 0); resumed and SIGKILLed inside the step-8 save (after its files
-    were written, before it was published); resumed again to the end. The CLI's own tests read this run too (its
-    outputs, its counters): one set of CLI compiles for both."""
+    never stops (an improvement must be 1.0 mAP; patience 100): a real SIGTERM, which the process sends itself right
+    after dispatching step :data:`PREEMPTED_SIGTERM_STEP` (an evaluation step: the stop skips that evaluation, saves
+    the step and exits 0); resumed, with ``model.pretrain_weights`` now naming a file that does not exist (a resume
+    needs no starting weights), and SIGKILLed inside the step-8 save (after its files were written, before it was
+    published); resumed again to the end. The CLI's own tests read this run too (its outputs, its counters): one set of
+    CLI compiles for both."""
     cfg = yaml.safe_load(inputs.loop_config.read_text())
     out = base / "run"
     cfg["trainer"].update(output_dir=str(out), loggers=[], resume="auto")
@@ -463,14 +468,15 @@ def preempted_run(inputs: JobInputs, base: Path) -> PreemptedRun:
     config = base / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
 
-    proc = start_fit(config, env=inputs.env)
-    wait_for(lambda: any(r["step"] >= 3 for r in read_metrics(out)), proc, "step 3")
-    proc.send_signal(signal.SIGTERM)
+    proc = start_fit(config, env={**inputs.env, SIGTERM_AT_STEP_ENV: str(PREEMPTED_SIGTERM_STEP)})
     stdout, stderr = proc.communicate(timeout=600)
     first = (proc.returncode, stdout, stderr)
     stopped = int(stdout.split("stopped by SIGTERM after step ")[1].split(":")[0]) if proc.returncode == 0 else -1
     left = (out / "checkpoints" / f"step_{stopped:08d}").is_dir() and not (out / "last.pth").exists()
 
+    # the resumes: the run's starting weights are gone (an empty rfdetr cache on a recreated VM); the checkpoint has all
+    cfg["model"]["pretrain_weights"] = str(base / "gone" / "fine-tuned-from.pth")
+    config.write_text(yaml.safe_dump(cfg))
     proc = start_fit(config, env={**inputs.env, "SPMD_RFDETR_TEST_PAUSE_BEFORE_PUBLISH_S": "600"})
     partial = out / "checkpoints" / ".step_00000008.partial"
     wait_for(lambda: (partial / "meta.json").exists(), proc, "the step-8 save")

@@ -19,9 +19,12 @@ from jobs import JobInputs, job_fixture
 TRAIN = r"""
 import json, sys
 import spmd_rfdetr
-result = spmd_rfdetr.train("nano", dataset_dir=sys.argv[1], output_dir=sys.argv[2], epochs=1, batch_size=2,
-                           lr=4e-4, options=json.loads(sys.argv[3]))
+args = dict(dataset_dir=sys.argv[1], output_dir=sys.argv[2], epochs=1, batch_size=2, lr=4e-4, warmup_epochs=0.5,
+            options=json.loads(sys.argv[3]))
+result = spmd_rfdetr.train("nano", **args)
 print("RESULT", json.dumps({"weights": str(result.weights), "metrics": result.metrics}))
+again = spmd_rfdetr.train("nano", resume="auto", **args)  # a relaunch of the early-stopped run: nothing to train
+print("AGAIN", json.dumps({"weights": str(again.weights), "metrics": again.metrics}))
 """
 
 
@@ -46,7 +49,7 @@ def test_train_runs_epochs_stops_early_and_returns_the_weight_file(api_train, sy
     1, an improvement of 1.0 mAP required) and returns that step's ``last.pth`` and the last record."""
     proc, out = api_train
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    result = json.loads(proc.stdout.split("RESULT", 1)[1].split("AGAIN", 1)[0])
     assert Path(result["weights"]) == out / "last.pth" and (out / "last.pth").is_file()
     assert result["metrics"]["step"] == 2 and result["metrics"]["early_stopped"] is True, result
     assert "eval/mAP" in result["metrics"] and result["metrics"]["loss"] > 0
@@ -56,6 +59,21 @@ def test_train_runs_epochs_stops_early_and_returns_the_weight_file(api_train, sy
     assert resolved["data"]["global_batch_size"] == 8 and resolved["optim"]["lr"] == 4e-4
     assert "trainer.epochs=1: 4 steps of 8 images over 32 train images" in proc.stderr
     assert "early stopping at step 2: eval/mAP has not improved by 1 for 1 evaluations" in proc.stderr
+    assert resolved["optim"]["warmup_steps"] == 2 and "optim.warmup_epochs=0.5: 2 warmup steps" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_relaunch_of_an_early_stopped_run_trains_no_more(api_train):
+    """Early stopping saves a checkpoint that says so: ``--trainer.resume auto`` (here ``train(resume="auto")``)
+    ends at once with the same step, instead of training the stopped steps again."""
+    proc, out = api_train
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((out / "checkpoints" / "step_00000002" / "meta.json").read_text())
+    assert meta["step"] == 2 and meta["early_stopped"] is True
+    again = json.loads(proc.stdout.split("AGAIN", 1)[1])
+    assert again["metrics"]["step"] == 2 and again["metrics"]["early_stopped"] is True, again  # no record added
+    assert "this run stopped early at step 2 (early stopping); nothing left to train" in proc.stderr
+    assert torch.load(out / "last.pth", weights_only=False)["step"] == 2
 
 
 @pytest.mark.slow
@@ -75,3 +93,23 @@ def test_train_names_an_unknown_argument_and_what_to_use_instead():
         spmd_rfdetr.train("nano", dataset_dir="data", epoch=3)
     with pytest.raises(ConfigError, match="give epochs or max_steps, not both"):
         spmd_rfdetr.train("nano", dataset_dir="data", epochs=1, max_steps=3)
+
+
+def test_a_recipes_variant_stands_and_rfdetrs_names_mean_what_they_mean_there():
+    """``train(config=...)`` without a variant keeps the recipe's (``configs/cpu-seg.yaml`` is a seg model, not
+    Nano); rfdetr's ``grad_accum_steps`` (its ``batch_size`` is per micro-batch), ``warmup_epochs`` and
+    ``early_stopping*`` become ours; ``warmup_steps`` is not one of rfdetr's names."""
+    from spmd_rfdetr.api import fit_arguments
+    from spmd_rfdetr.cli import run_config
+    from spmd_rfdetr.config import ConfigError
+
+    assert run_config(fit_arguments(config=str(ROOT / "configs" / "cpu-seg.yaml"))).model.variant == "seg-nano"
+    assert run_config(fit_arguments("small", config=str(ROOT / "configs" / "cpu-seg.yaml"))).model.variant == "small"
+    cfg = run_config(fit_arguments(batch_size=2, grad_accum_steps=3, warmup_epochs=0.5, early_stopping=True,
+                                   early_stopping_patience=4, early_stopping_min_delta=0.01,
+                                   early_stopping_use_ema=True))
+    assert cfg.data.per_device_batch_size == 6 and cfg.optim.accumulate == 3 and cfg.optim.warmup_epochs == 0.5
+    assert (cfg.eval.early_stopping, cfg.eval.early_stopping_patience, cfg.eval.early_stopping_min_delta,
+            cfg.eval.early_stopping_use_ema) == (True, 4, 0.01, True)
+    with pytest.raises(ConfigError, match=r"unknown argument\(s\) warmup_steps"):
+        fit_arguments(warmup_steps=10)

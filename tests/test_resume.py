@@ -1,7 +1,7 @@
 """Long runs: the data order as a function of the step, and a real preempted run resumed exactly.
 
 conftest's ``preempted_run`` trains the loop fit's config (``loop_run``: the loop model, 24 steps, EMA on) in three
-real ``fit`` processes: stopped by a real SIGTERM, resumed and killed with SIGKILL inside a checkpoint save, resumed
+real ``fit`` processes: stopped by a real SIGTERM at an evaluation step, resumed and killed with SIGKILL inside a checkpoint save, resumed
 again to the end. Nothing is lost or done twice, and the steps after each resume equal the straight in-process run's (later ones
 drift apart with the CPU client's own ulp differences: :data:`AFTER_RESUME`); its evaluations (in epochs, with early
 stopping counting) go on where each process left them. The NaN test stops an in-process fit
@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from conftest import LOOP_STEPS, NOISE, PREEMPTED_EVAL_EVERY, XLA_NOTE, PreemptedRun, noise, read_metrics, sigterm_after
+from conftest import (LOOP_STEPS, NOISE, PREEMPTED_EVAL_EVERY, PREEMPTED_SIGTERM_STEP, XLA_NOTE, PreemptedRun, noise,
+                      read_metrics, sigterm_after)
 from spmd_rfdetr.data import SeededSamples, TrainBatches
 
 
@@ -68,7 +70,7 @@ def test_sigterm_and_a_kill_inside_a_save_lose_no_step(preempted_run: PreemptedR
     pass compiled nothing)."""
     run = preempted_run
     assert run.first[0] == 0, run.first[2][-4000:]
-    assert 3 <= run.stopped < 8 and run.sigterm_checkpoint, run.first[1]
+    assert run.stopped == PREEMPTED_SIGTERM_STEP and run.sigterm_checkpoint, run.first[1]
     code, _, stderr = run.last
     assert code == 0, stderr[-4000:]
     assert f"skipping {run.partial}" in stderr
@@ -102,7 +104,8 @@ def test_evaluations_and_early_stopping_counts_go_on_across_the_preemptions(pree
     run = preempted_run
     records = read_metrics(run.out)
     evals = [r for r in records if "eval/mAP" in r]
-    assert [r["step"] for r in evals] == list(range(PREEMPTED_EVAL_EVERY, LOOP_STEPS + 1, PREEMPTED_EVAL_EVERY))
+    assert [r["step"] for r in evals] == [s for s in range(PREEMPTED_EVAL_EVERY, LOOP_STEPS + 1, PREEMPTED_EVAL_EVERY)
+                                          if s != run.stopped]  # the stop skipped its step's evaluation
     assert "eval.every_epochs=0.6: an evaluation every 3 steps (5 steps per epoch)" in run.last[2]
     best, watched_best, stale, states = float("-inf"), float("-inf"), 0, {0: (float("-inf"), float("-inf"), 0)}
     for r in evals:
@@ -124,6 +127,23 @@ def test_evaluations_and_early_stopping_counts_go_on_across_the_preemptions(pree
            f"{stale} evaluation(s) without improvement" in run.last[2], run.last[2][-3000:]
     assert any(r["eval/raw_mAP"] != r["eval/mAP"] for r in evals), evals  # two sets of weights, not one twice
     assert (run.out / "eval" / f"step{LOOP_STEPS:07d}_raw_coco_eval.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_sigterm_at_an_evaluation_step_saves_without_evaluating(preempted_run: PreemptedRun):
+    """A spot VM's notice is ~30 s, shorter than an evaluation: the SIGTERM that arrived during an evaluation step
+    (:data:`PREEMPTED_SIGTERM_STEP`) saved that step at once, with no evaluation; the resumes ran with the run's
+    starting weights gone (``model.pretrain_weights`` names a missing file): they were neither fetched nor needed."""
+    run = preempted_run
+    step = PREEMPTED_SIGTERM_STEP
+    assert step % PREEMPTED_EVAL_EVERY == 0 and run.stopped == step, run.first[1][-2000:]
+    logged = [r for r in read_metrics(run.out) if r["step"] == step]
+    assert logged and not any(key.startswith("eval/") for key in logged[0]), logged
+    assert f"eval at step {step}:" not in run.first[1] and not list((run.out / "eval").glob(f"step{step:07d}_*"))
+    assert "SIGTERM received" in run.first[2] and run.sigterm_checkpoint  # its checkpoint was there, no last.pth
+    code, _, stderr = run.last
+    assert code == 0 and "model.pretrain_weights is not read" in stderr, stderr[-3000:]
+    assert not Path(yaml.safe_load((run.out / "config.yaml").read_text())["model"]["pretrain_weights"]).exists()
 
 
 #: Steps after the resume point compared with the straight run. XLA's CPU client computes some steps' gradients an

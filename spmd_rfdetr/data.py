@@ -263,9 +263,10 @@ class StaticCollate:
     normalised): rounding it back to uint8 moved the first losses by up to 2e-3 from upstream's resize of its float
     input (measured on the tiny models), where float32 agrees to rounding."""
 
-    def __init__(self, max_targets: int, resolution: int) -> None:
+    def __init__(self, max_targets: int, resolution: int, float_pixels: bool = False) -> None:
         self.max_targets = max_targets
         self.resolution = resolution
+        self.float_pixels = float_pixels  # rfdetr's normalised float samples let through (benchmarks/: its pipeline)
 
     def __call__(self, samples: Sequence[tuple[Any, ...]]) -> dict[str, torch.Tensor]:
         size = samples[0][2] if len(samples[0]) == 3 else None
@@ -278,7 +279,7 @@ class StaticCollate:
     def _collate(self, samples: Sequence[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
         expected = (3, self.resolution, self.resolution)
         for image, target in samples:
-            if image.dtype != torch.uint8:  # a float sample is rfdetr's normalised input: normalised twice, silently
+            if image.dtype != torch.uint8 and not self.float_pixels:  # a float sample is rfdetr's normalised input: normalised twice, silently
                 raise TypeError(f"image_id {int(target['image_id'])}: {image.dtype} pixels, expected uint8: every "
                                 "program normalises pixels itself, so read splits with spmd_rfdetr.data.build_split "
                                 "(rfdetr's transforms, pixels left uint8), not rfdetr's build_dataset")
@@ -398,12 +399,13 @@ class SeededSamples(Dataset):  # type: ignore[type-arg]
 
 def make_train_loader(
     dataset: Dataset[Any], data: DataOptions, resolution: int, *, seed: int = 0, start_step: int = 0,
-    host: tuple[int, int] = (0, 1), scales: Sequence[int] = (),
+    host: tuple[int, int] = (0, 1), scales: Sequence[int] = (), float_pixels: bool = False,
 ) -> DataLoader[dict[str, torch.Tensor]]:
     """Endless reproducible static batches of ``data.global_batch_size`` (:class:`TrainBatches`,
     :class:`SeededSamples`), starting with the batch of the 0-based ``start_step``; ``host`` = ``(index, count)``
     loads only this host's rows of each; ``scales``: multi-scale buckets (``resolution`` is then the largest, the size
-    the train split reads images at)."""
+    the train split reads images at); ``float_pixels``: rfdetr's float samples pass (a loader benchmark; training
+    refuses them, :class:`StaticCollate`)."""
     if len(dataset) < data.global_batch_size:  # type: ignore[arg-type]
         raise ValueError(
             f"{data.dataset_dir}: the train split has {len(dataset)} images, fewer than "  # type: ignore[arg-type]
@@ -411,7 +413,7 @@ def make_train_loader(
         )
     batches = TrainBatches(len(dataset), data.global_batch_size, seed, start_step, host, scales)  # type: ignore[arg-type]
     return DataLoader(SeededSamples(dataset, seed), batch_sampler=batches, num_workers=worker_count(data.num_workers),
-                      collate_fn=StaticCollate(data.max_targets, resolution))
+                      collate_fn=StaticCollate(data.max_targets, resolution, float_pixels))
 
 
 def targets_list(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

@@ -57,7 +57,8 @@ def measure_workers(dataset: Any, data: Any, resolution: int, workers: int, batc
 def _measure(dataset: Any, data: Any, resolution: int, workers: int, batches: int, seed: int) -> dict[str, Any]:
     from spmd_rfdetr.data import make_train_loader
 
-    loader = make_train_loader(dataset, dataclasses.replace(data, num_workers=workers), resolution, seed=seed)
+    loader = make_train_loader(dataset, dataclasses.replace(data, num_workers=workers), resolution, seed=seed,
+                               float_pixels=True)  # rfdetr's float pipeline is one of the two measured
     expected = (data.global_batch_size, 3, resolution, resolution)
     warmup = max(1, workers)
     batch_iter = iter(loader)  # endless

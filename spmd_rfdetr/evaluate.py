@@ -18,7 +18,7 @@ import inspect
 import json
 import math
 import types
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ContextManager
@@ -258,7 +258,8 @@ def run_detection(
     Each batch's result is fetched (one device->host transfer) after the next batch has been dispatched; a seg
     model's mask logits are encoded as RLEs right then, so host memory holds one batch of them. On several hosts each
     loads its rows and the result is the global array: the image ids and sizes are every host's, gathered over gloo in
-    host order, then put in the global array's row order by ``order`` (:func:`mesh_row_order`; ``None``: the same
+    host order, then put in the global array's row order by ``order`` (:func:`~spmd_rfdetr.hosts.mesh_row_order`;
+    ``None``: the same
     order, as on one host). Padding rows (id -1) are dropped here.
     """
     parts: dict[str, list[Any]] = {"rows": [], "image_ids": [], "segmentations": []}
@@ -291,50 +292,6 @@ def run_detection(
         return Detections(np.zeros((0, 0, 6), np.float32), np.zeros((0,), np.int64))
     return Detections(np.concatenate(parts["rows"]), np.concatenate(parts["image_ids"]),
                       parts["segmentations"] or None)
-
-
-def global_row_order(tile_devices: Sequence[int], host_devices: Sequence[Sequence[int]],
-                     rows_per_device: int) -> np.ndarray | None:
-    """Where each row of a batch-sharded global array comes from, as an index into the hosts' rows gathered in host
-    order (``None``: host order itself, as on one host).
-
-    With several processes torch_xla assembles the global array from each host's slice (``ShardingSpec(minibatch=
-    True)``): host ``h`` cuts its rows into equal blocks, block ``k`` for its ``k``-th device (``host_devices[h]``:
-    its devices' global ordinals in its runtime's order; ``ShardingUtil::GetShardIndicesForMinibatchTensor``), and
-    position ``p`` of the batch dimension holds device ``tile_devices[p]``'s block (the sharding's tile assignment:
-    the mesh's devices in batch-axis order). Where a host's devices are not one run of positions (TPU slices of 16+
-    chips number devices by chip coordinates) that is not host order.
-    """
-    owner = {device: (h, k) for h, devices in enumerate(host_devices) for k, device in enumerate(devices)}
-    per_host = len(host_devices[0])
-    if any(len(devices) != per_host for devices in host_devices) or sorted(owner) != sorted(tile_devices):
-        raise ValueError(f"the hosts' devices {list(map(list, host_devices))} are not the mesh's {list(tile_devices)}")
-    blocks = np.asarray([owner[device][0] * per_host + owner[device][1] for device in tile_devices])
-    if (blocks == np.arange(len(blocks))).all():
-        return None
-    return (blocks[:, None] * rows_per_device + np.arange(rows_per_device)[None, :]).reshape(-1)
-
-
-def mesh_row_order(mesh: Any, global_batch_size: int) -> np.ndarray | None:
-    """:func:`global_row_order` of a global batch of ``global_batch_size`` sharded on ``mesh``'s batch axes, from
-    every host's devices (gathered over gloo). Call it on every host (it is a collective)."""
-    import torch_xla
-
-    from spmd_rfdetr.mesh import BATCH_AXES
-
-    share = hosts.batch_share()
-    if share[1] == 1:  # one host sends whole batches (no minibatch assembly): the rows stay in their order
-        return None
-    names = list(mesh.axis_names)
-    if len(BATCH_AXES) != len(names):  # a mesh axis the batch is not split over would replicate the blocks
-        raise NotImplementedError(f"row order of a mesh {names} whose batch axes are {BATCH_AXES}")
-    axes = [names.index(a) for a in BATCH_AXES]
-    tile_devices = np.asarray(mesh.device_ids).reshape(mesh.mesh_shape).transpose(axes).reshape(-1).tolist()
-    local = [int(name.split(":")[-1]) for name in torch_xla._XLAC._xla_get_runtime_devices()]
-    gathered = hosts.gather_rows(torch.tensor(local, dtype=torch.int64), share).tolist()
-    per_host = len(gathered) // share[1]
-    host_devices = [gathered[h * per_host:(h + 1) * per_host] for h in range(share[1])]
-    return global_row_order(tile_devices, host_devices, global_batch_size // len(tile_devices))
 
 
 @dataclass
@@ -391,7 +348,7 @@ class Evaluator:
         replicate_parameters(self.forward.model, mesh)
         self.loader = eval_loader(dataset, global_batch_size, resolution, num_workers)
         self.to_device = device_sender(mesh)
-        self.order = mesh_row_order(mesh, global_batch_size)  # several hosts: the global batch's row order
+        self.order = hosts.mesh_row_order(mesh, global_batch_size)  # several hosts: the global batch's row order
 
     def detect(self) -> tuple[list[dict[str, Any]], list[int], int]:
         """COCO results of every image of the split, their image ids and the batch count."""

@@ -13,8 +13,9 @@ which host 0 runs for all) goes over this group; no ``torch.distributed`` call o
 (the loss normaliser is the global batch's box count, computed on the device). Each host loads only its contiguous
 rows of every global batch, train and eval alike (the same global batches as on one host, so resume stays exact), and
 torch_xla builds the global array from the hosts' slices (``ShardingSpec(minibatch=True)``). In evaluation
-(``EvalBatches``) the image ids are every host's, gathered over gloo in host order, so padding rows (id -1) are dropped
-the same way on every host. The hosts compare their number of usable train images before anything compiles and stop
+(``EvalBatches``) the image ids are every host's, gathered over gloo in host order and put in the global array's row
+order (:func:`global_row_order`: on slices whose devices are numbered by chip coordinates a host's rows are not one
+run), so padding rows (id -1) are dropped the same way on every host. The hosts compare their number of usable train images before anything compiles and stop
 with one message if they differ. A SIGTERM reaching any host stops every host after the same step, with one
 checkpoint: written by all hosts (each its own shards), then published by host 0's rename after a barrier. Host 0
 alone writes ``metrics.jsonl``, the logger files, ``config.yaml``, ``last.pth``/``best.pth`` (every host builds the
@@ -33,7 +34,10 @@ behind ``last.pth`` with ``fsdp`` shards on another host and the read-only cache
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -87,6 +91,50 @@ def gather_rows(rows: torch.Tensor, share: tuple[int, int] | None = None) -> tor
     if (share or batch_share())[1] == 1:
         return rows
     return funcol.wait_tensor(funcol.all_gather_tensor(rows.contiguous(), 0, dist.group.WORLD))
+
+
+def global_row_order(tile_devices: Sequence[int], host_devices: Sequence[Sequence[int]],
+                     rows_per_device: int) -> np.ndarray | None:
+    """Where each row of a batch-sharded global array comes from, as an index into the hosts' rows gathered in host
+    order (``None``: host order itself, as on one host).
+
+    With several processes torch_xla assembles the global array from each host's slice (``ShardingSpec(minibatch=
+    True)``): host ``h`` cuts its rows into equal blocks, block ``k`` for its ``k``-th device (``host_devices[h]``:
+    its devices' global ordinals in its runtime's order; ``ShardingUtil::GetShardIndicesForMinibatchTensor``), and
+    position ``p`` of the batch dimension holds device ``tile_devices[p]``'s block (the sharding's tile assignment:
+    the mesh's devices in batch-axis order). Where a host's devices are not one run of positions (TPU slices of 16+
+    chips number devices by chip coordinates) that is not host order.
+    """
+    owner = {device: (h, k) for h, devices in enumerate(host_devices) for k, device in enumerate(devices)}
+    per_host = len(host_devices[0])
+    if any(len(devices) != per_host for devices in host_devices) or sorted(owner) != sorted(tile_devices):
+        raise ValueError(f"the hosts' devices {list(map(list, host_devices))} are not the mesh's {list(tile_devices)}")
+    blocks = np.asarray([owner[device][0] * per_host + owner[device][1] for device in tile_devices])
+    if (blocks == np.arange(len(blocks))).all():
+        return None
+    return (blocks[:, None] * rows_per_device + np.arange(rows_per_device)[None, :]).reshape(-1)
+
+
+def mesh_row_order(mesh: Any, global_batch_size: int) -> np.ndarray | None:
+    """:func:`global_row_order` of a global batch of ``global_batch_size`` sharded on ``mesh``'s batch axes, from
+    every host's devices (gathered over gloo). Call it on every host (it is a collective)."""
+    import torch_xla
+
+    from spmd_rfdetr.mesh import BATCH_AXES
+
+    share = batch_share()
+    if share[1] == 1:  # one host sends whole batches (no minibatch assembly): the rows stay in their order
+        return None
+    names = list(mesh.axis_names)
+    if len(BATCH_AXES) != len(names):  # a mesh axis the batch is not split over would replicate the blocks
+        raise NotImplementedError(f"row order of a mesh {names} whose batch axes are {BATCH_AXES}")
+    axes = [names.index(a) for a in BATCH_AXES]
+    tile_devices = np.asarray(mesh.device_ids).reshape(mesh.mesh_shape).transpose(axes).reshape(-1).tolist()
+    local = [int(name.split(":")[-1]) for name in torch_xla._XLAC._xla_get_runtime_devices()]
+    gathered = gather_rows(torch.tensor(local, dtype=torch.int64), share).tolist()
+    per_host = len(gathered) // share[1]
+    host_devices = [gathered[h * per_host:(h + 1) * per_host] for h in range(share[1])]
+    return global_row_order(tile_devices, host_devices, global_batch_size // len(tile_devices))
 
 
 def join_hosts() -> None:

@@ -24,7 +24,6 @@ from spmd_rfdetr.evaluate import (
     eval_loader,
     eval_sizes,
     evaluator_for,
-    mesh_row_order,
     run_detection,
     save_result,
 )
@@ -105,7 +104,7 @@ def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
     batch_size, num_select = eval_sizes(cfg, cfgs)
     forward = EvalForward(net, num_select, fabric.strategy.precision.forward_context)
     loader = eval_loader(folder, batch_size, cfgs.model.resolution, cfg.data.num_workers)
-    order = mesh_row_order(fabric.strategy.mesh, batch_size)  # several hosts: the global batch's row order
+    order = hosts.mesh_row_order(fabric.strategy.mesh, batch_size)  # several hosts: the global batch's row order
     results = run_detection(forward, loader, device_sender(fabric.strategy.mesh), order).to_coco(label2cat)
     out = Path(output)
     if hosts.is_coordinator():  # several hosts hold the same global detections: host 0 writes them

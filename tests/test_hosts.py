@@ -212,7 +212,7 @@ def test_eval_ids_follow_the_global_arrays_rows_on_interleaved_hosts():
     """A v5e/v6e slice of 16+ chips numbers devices by chip coordinates: with 2 hosts of 4 chips on a 2x4 slice host 0
     drives devices {0, 1, 4, 5} and host 1 {2, 3, 6, 7}. The global array's rows are then not host 0's rows followed by
     host 1's: every image id must still be paired with its own detections."""
-    from spmd_rfdetr.evaluate import global_row_order
+    from spmd_rfdetr.hosts import global_row_order
 
     tile = list(range(8))  # the mesh's devices in batch order (build_mesh: np.arange)
     host_devices = [[0, 1, 4, 5], [2, 3, 6, 7]]
@@ -227,14 +227,14 @@ def test_eval_ids_follow_the_global_arrays_rows_on_interleaved_hosts():
 
 
 def test_the_minibatch_assembly_follows_the_tile_assignment():
-    """The rule :func:`~spmd_rfdetr.evaluate.global_row_order` encodes, checked on torch_xla itself: one process,
+    """The rule :func:`~spmd_rfdetr.hosts.global_row_order` encodes, checked on torch_xla itself: one process,
     ``minibatch=True`` and a mesh whose devices are not in ordinal order (as a host's positions on an interleaved
     slice): the global array's rows are the process's blocks placed by device, not its rows in order."""
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
 
-    from spmd_rfdetr.evaluate import global_row_order
+    from spmd_rfdetr.hosts import global_row_order
 
     tile = [2, 0, 3, 1]
     mesh = xs.Mesh(np.asarray(tile), (4, 1), ("data", "fsdp"))

@@ -15,6 +15,9 @@ non-zero when the two mAPs differ by more than ``--tolerance`` (0.005 = 0.5 AP).
 ``--compare upstream`` trains the same recipe twice per seed, and scores both the same way:
 
     python benchmarks/convergence.py --compare upstream --epochs 6 --seeds 42 7
+    # the comparison that can decide 1 AP (issue 33): 5 seeds, the LR matched step for step, 512 valid images
+    python benchmarks/convergence.py --compare upstream --epochs 6 --match-lr --valid-images 512 \
+        --seeds 42 7 123 1 2 --data /tmp/synth512 --out /tmp/compare   # a finished seed in --out is reused
 
 - ours: ``fit`` on the CPU mesh (``trainer.epochs``, eval every ``--eval-epochs`` inside ``fit``);
 - upstream: rfdetr's own trainer, ``RFDETRNano(...).train(...)`` (Lightning, eager on the CPU, in a process without
@@ -24,7 +27,8 @@ non-zero when the two mAPs differ by more than ``--tolerance`` (0.005 = 0.5 AP).
   valid split at ``eval.max_dets`` (:func:`upstream_eager_stats`), so the two numbers differ only by training.
 
 Writes ``benchmarks/results/convergence-upstream-<config>-<epochs>ep-<date>.{json,png}``: per seed and side the final
-mAP/mAP50/mAP75 and each side's own eval curve; the gap of the seed means and each side's spread.
+mAP/mAP50/mAP75 and each side's own eval curve; the gap of the seed means, the gap per seed, each side's mean, sample
+std, min and max, and ours' worst seed against upstream's worst.
 """
 
 from __future__ import annotations
@@ -79,9 +83,12 @@ def upstream_eager_stats(checkpoint: Path, split: str, weights: Path | None = No
     return [float(v) for v in evaluator.coco_eval["bbox"].stats]
 
 
+#: Without ``--match-lr`` (upstream's own managed schedule) this differs too.
+WARMUP_NOT_MATCHED = ("warm-up: upstream's step s of w uses s/w of the LR (its first step LR 0), ours (s+1)/(w+1) "
+                      "(OptimOptions)")
+
 #: What upstream's trainer cannot be told to do as ``fit`` does (each differs on purpose or by design, see where noted).
 NOT_MATCHED = [
-    "warm-up: upstream's step s of w uses s/w of the LR (its first step LR 0), ours (s+1)/(w+1) (OptimOptions)",
     "data order and augmentation draws: the same rfdetr transforms, drawn from different RNG streams (ours: per "
     "sample from (seed, epoch, index); upstream: Lightning's sampler and its workers' RNGs)",
     "matcher: SciPy's Hungarian on the host (upstream) vs the exact device solver (ours); ties may pair differently",
@@ -91,8 +98,10 @@ NOT_MATCHED = [
 
 
 def upstream_train_kwargs(cfg: Any, epochs: int, steps_per_epoch: int, eval_epochs: int, seed: int,
-                          output_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """rfdetr's ``RFDETR<Variant>(**model)`` and ``.train(**train)`` arguments for our ``RunConfig`` ``cfg``."""
+                          output_dir: Path, match_lr: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """rfdetr's ``RFDETR<Variant>(**model)`` and ``.train(**train)`` arguments for our ``RunConfig`` ``cfg``;
+    ``match_lr``: upstream gets our exact LR factor per optimizer step (:func:`spmd_rfdetr.model.lr_factor`, warm-up
+    included) as a ``LambdaLR`` through its ``lr_scheduler`` hook, instead of its own managed schedule."""
     m, d, o = cfg.model, cfg.data, cfg.optim
     if o.schedule not in ("cosine", "step") or o.accumulate != 1 or d.multi_scale:
         raise SystemExit("--compare upstream: needs optim.schedule cosine/step, optim.accumulate 1, no multi_scale")
@@ -115,11 +124,21 @@ def upstream_train_kwargs(cfg: Any, epochs: int, steps_per_epoch: int, eval_epoc
         "num_workers": d.num_workers, "device": "cpu", "output_dir": str(output_dir), "tensorboard": False,
         "progress_bar": False, "checkpoint_interval": 10**6,
     }
+    if match_lr:
+        import functools
+
+        import torch
+
+        from spmd_rfdetr.model import lr_factor
+
+        factor = functools.partial(lr_factor, optim=o, max_steps=epochs * steps_per_epoch)
+        train.update(lr_scheduler=functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=factor),
+                     lr_scheduler_kwargs={}, warmup_epochs=0.0)  # rfdetr wraps no warm-up ramp around it at 0
     return model, train
 
 
 def upstream_train(config: str, data: Path, epochs: int, eval_epochs: int, seed: int, max_dets: int,
-                   out: Path) -> None:
+                   out: Path, match_lr: bool = False) -> None:
     """Child: rfdetr's own trainer on ``config``'s recipe (a process without torch_xla)."""
     import rfdetr
 
@@ -129,13 +148,17 @@ def upstream_train(config: str, data: Path, epochs: int, eval_epochs: int, seed:
     cfg = run_config(["--config", config, "--data.dataset_dir", str(data), "--eval.max_dets", str(max_dets)])
     cfg.model.pretrain_weights = resolved_weights(cfg.model)
     steps_per_epoch = _train_images(data) // cfg.data.global_batch_size
-    model, train = upstream_train_kwargs(cfg, epochs, steps_per_epoch, eval_epochs, seed, out)
+    model, train = upstream_train_kwargs(cfg, epochs, steps_per_epoch, eval_epochs, seed, out, match_lr)
     cls = getattr(rfdetr, VARIANT_CONFIGS[cfg.model.variant].replace("Config", ""))
     cls(**model).train(**train)
 
 
 def _train_images(data: Path) -> int:
-    return len(json.loads((data / "train" / "_annotations.coco.json").read_text())["images"])
+    return _split_images(data, "train")
+
+
+def _split_images(data: Path, split: str) -> int:
+    return len(json.loads((data / split / "_annotations.coco.json").read_text())["images"])
 
 
 def compare_upstream(args: argparse.Namespace, data: Path, work: Path) -> int:
@@ -156,7 +179,7 @@ def compare_upstream(args: argparse.Namespace, data: Path, work: Path) -> int:
         if not (up_dir / "last_ema.pth").exists():
             run([sys.executable, __file__, "--_upstream_train", str(up_dir), "--config", args.config, "--data",
                  str(data), "--epochs", str(args.epochs), "--eval-epochs", str(args.eval_epochs), "--seeds", str(seed),
-                 "--max-dets", str(args.max_dets)],
+                 "--max-dets", str(args.max_dets), *(["--match-lr"] if args.match_lr else [])],
                 env=_env_without_xla())
         records = [json.loads(line) for line in (ours_dir / "metrics.jsonl").read_text().splitlines()]
         ours_curve = [(r["step"], r["eval/mAP"]) for r in records if "eval/mAP" in r]
@@ -174,13 +197,18 @@ def compare_upstream(args: argparse.Namespace, data: Path, work: Path) -> int:
                   flush=True)
     summary = {side: _mean_spread([r["final"]["mAP"] for r in rs]) for side, rs in runs.items()}
     gap = summary["ours"]["mean"] - summary["upstream"]["mean"]
-    print(f"\nmAP ours {summary['ours']} upstream {summary['upstream']}: gap (ours - upstream) {gap:+.4f}")
+    per_seed = {r["seed"]: r["final"]["mAP"] - u["final"]["mAP"] for r, u in zip(runs["ours"], runs["upstream"])}
+    worst = summary["ours"]["min"] - summary["upstream"]["min"]  # ours' worst seed against upstream's worst
+    print(f"\nmAP ours {summary['ours']} upstream {summary['upstream']}: gap (ours - upstream) {gap:+.4f}; per seed "
+          f"{ {k: round(v, 4) for k, v in per_seed.items()} }; ours' worst - upstream's worst {worst:+.4f}")
     date = datetime.date.today().isoformat()
     stem = f"convergence-upstream-{Path(args.config).stem}-{args.epochs}ep-{date}"
     path = args.json or ROOT / "benchmarks" / "results" / f"{stem}.json"
     payload = {"config": args.config, "epochs": args.epochs, "steps": args.epochs * steps_per_epoch,
                "seeds": args.seeds, "scored_by": "upstream's eager PostProcess + CocoEvaluator, final EMA weights",
-               "runs": runs, "summary": summary, "gap_mean_mAP": gap, "not_matched": NOT_MATCHED}
+               "runs": runs, "summary": summary, "gap_mean_mAP": gap, "gap_per_seed": per_seed,
+               "worst_gap": worst, "lr_matched": args.match_lr, "valid_images": _split_images(data, "valid"),
+               "not_matched": NOT_MATCHED + ([] if args.match_lr else [WARMUP_NOT_MATCHED])}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1))
     _plot(path.with_suffix(".png"), runs,
@@ -196,7 +224,10 @@ def _global_batch(config: str) -> int:
 
 
 def _mean_spread(values: list[float]) -> dict[str, float]:
-    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
+    """Mean, sample standard deviation, min and max of one side's final mAPs."""
+    mean = sum(values) / len(values)
+    std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+    return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": len(values)}
 
 
 def _plot(path: Path, runs: dict[str, list[dict[str, Any]]], title: str) -> None:
@@ -239,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-epochs", type=int, default=2, help="--compare: evaluate every N epochs (default 2)")
     p.add_argument("--seeds", type=int, nargs="+", default=[42, 7], help="--compare: seeds per side")
     p.add_argument("--max-dets", type=int, default=100, help="--compare: COCO maxDets of every score (default 100)")
+    p.add_argument("--match-lr", action="store_true",
+                   help="--compare: upstream trains with our exact LR factor per step (a LambdaLR through its "
+                   "lr_scheduler hook), not its own managed schedule")
+    p.add_argument("--valid-images", type=int, default=64,
+                   help="images of the synthetic valid split when --data is written (default 64; a comparison that "
+                   "must tell 1 AP apart needs 512+)")
     p.add_argument("--_upstream", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--_weights", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--_upstream_train", type=Path, help=argparse.SUPPRESS)
@@ -248,13 +285,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args._upstream_train:  # child: upstream's own trainer
         upstream_train(args.config, args.data, args.epochs, args.eval_epochs, args.seeds[0], args.max_dets,
-                       args._upstream_train)
+                       args._upstream_train, args.match_lr)
         return 0
 
     work = Path(tempfile.mkdtemp(prefix="spmd_rfdetr_convergence_"))
     data, out = args.data or work / "synth", args.out or work / "fit"
     if not data.exists():
-        run([sys.executable, "-m", "spmd_rfdetr", "synth", "--output_dir", str(data)])
+        run([sys.executable, "-m", "spmd_rfdetr", "synth", "--output_dir", str(data), "--valid_images",
+             str(args.valid_images)])
     if args.compare:
         return compare_upstream(args, data, args.out or work)
     run([sys.executable, "-m", "spmd_rfdetr", "fit", "--config", args.config, "--data.dataset_dir", str(data),

@@ -35,7 +35,6 @@ every state tensor bit-identical.
 from __future__ import annotations
 
 import logging
-import os
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ from spmd_rfdetr.hosts import host_rows
 from spmd_rfdetr.masks import pack_masks
 from spmd_rfdetr.model import UpstreamConfigs
 from spmd_rfdetr.quiet import library_prints
+from spmd_rfdetr.resolve import worker_count
 
 log = logging.getLogger(__name__)
 
@@ -177,15 +177,6 @@ def upstream_float(images: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"upstream's ToDtype(float32, scale=True) scales uint8 pixels only, got {images.dtype}")
     to_float, normalize = ToDtype(torch.float32, scale=True), Normalize()
     return torch.stack([normalize(to_float(image), None)[0] for image in images])
-
-
-def worker_count(num_workers: int | str) -> int:
-    """``data.num_workers`` as a number: ``auto`` is the CPUs this process may run on, less one for the main
-    process (``os.sched_getaffinity``; ``os.cpu_count`` where there is none)."""
-    if num_workers != "auto":
-        return int(num_workers)
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(cpus - 1, 0)
 
 
 @dataclass

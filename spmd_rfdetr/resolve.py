@@ -73,8 +73,6 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
     elif device_count is not None and d.per_device_batch_size is not None and batch_shards(cfg, device_count) > 0:
         d.global_batch_size = d.per_device_batch_size * batch_shards(cfg, device_count)
     if d.num_workers == "auto":
-        from spmd_rfdetr.data import worker_count
-
         d.num_workers = worker_count("auto")  # this host's CPUs, before any loader is built
         logging.getLogger(__name__).info("data.num_workers=auto: %d DataLoader workers", d.num_workers)
     elif not isinstance(d.num_workers, int) or d.num_workers < 0:
@@ -182,6 +180,15 @@ def num_select_problem(num_select: int, num_queries: int, num_classes: int) -> s
         return None
     return (f"eval.num_select={num_select} is more than the {limit} logits the model outputs per image (its "
             f"{num_queries} queries x (num_classes {num_classes} + 1)): use at most {limit}, or leave it unset")
+
+
+def worker_count(num_workers: int | str) -> int:
+    """``data.num_workers`` as a number: ``auto`` is the CPUs this process may run on, less one for the main
+    process (``os.sched_getaffinity``; ``os.cpu_count`` where there is none)."""
+    if num_workers != "auto":
+        return int(num_workers)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(cpus - 1, 0)
 
 
 def published_names() -> list[str]:

@@ -3,6 +3,7 @@ multi-scale resize, ``data.num_workers: auto`` and the loader's NaN fault inject
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -10,7 +11,6 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from spmd_rfdetr import data as data_module
 from spmd_rfdetr.config import ConfigError, DataOptions, RunConfig
 from spmd_rfdetr.data import (BoxesOnlyNormalize, StaticCollate, blank_batch, build_split, normalize_images,
                               uint8_pixels, upstream_float, upstream_split, worker_count)
@@ -112,12 +112,12 @@ def test_num_workers_auto_resolves_from_the_affinity(monkeypatch: pytest.MonkeyP
     verb's loaders see a number); ``--data.num_workers auto`` parses; a negative count is a config error."""
     from spmd_rfdetr.cli import main
 
-    monkeypatch.setattr(data_module.os, "sched_getaffinity", lambda pid: set(range(7)), raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(7)), raising=False)
     assert worker_count("auto") == 6 and worker_count(3) == 3
     cfg = RunConfig(data=DataOptions(num_workers="auto"))
     resolve_and_check(cfg)
     assert cfg.data.num_workers == 6
-    monkeypatch.setattr(data_module.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
     assert worker_count("auto") == 0
     with pytest.raises(ConfigError, match=r"data.num_workers=-1 must be >= 0 or auto"):
         resolve_and_check(RunConfig(data=DataOptions(num_workers=-1)))

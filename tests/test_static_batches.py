@@ -75,8 +75,8 @@ def test_pad_target_is_static_and_exact(cap: int, mask_size: int | None, data: s
 def test_static_collate_shapes_never_change(cap: int, batch: int, resolution: int, masks: bool,
                                             data: st.DataObject) -> None:
     mask_size = resolution if masks else None
-    samples = [(torch.rand(3, resolution, resolution), data.draw(targets(max_objects=2 * cap, mask_size=mask_size)))
-               for _ in range(batch)]
+    samples = [(torch.randint(0, 256, (3, resolution, resolution), dtype=torch.uint8),
+                data.draw(targets(max_objects=2 * cap, mask_size=mask_size))) for _ in range(batch)]
     out = StaticCollate(cap, resolution)(samples)
     expected = {"images": (batch, 3, resolution, resolution), "boxes": (batch, cap, 4), "labels": (batch, cap),
                 "valid": (batch, cap), "image_id": (batch,), "orig_size": (batch, 2)}
@@ -93,19 +93,21 @@ def test_static_collate_refuses_another_resolution() -> None:
     target = {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64), "image_id": torch.tensor([3]),
               "orig_size": torch.tensor([5, 5])}
     with pytest.raises(ValueError, match=r"image_id 3: transformed to \(3, 8, 16\), expected \(3, 8, 8\)"):
-        StaticCollate(4, 8)([(torch.zeros(3, 8, 16), target)])
+        StaticCollate(4, 8)([(torch.zeros(3, 8, 16, dtype=torch.uint8), target)])
 
 
 @settings(max_examples=60, deadline=None)
 @given(batch=st.integers(1, 6), data=st.data())
 def test_eval_collate_pads_to_the_global_batch(batch: int, data: st.DataObject) -> None:
     real = data.draw(st.integers(1, batch))
-    samples = [(torch.rand(3, 8, 8), data.draw(targets(max_objects=3))) for _ in range(real)]
+    samples = [(torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8), data.draw(targets(max_objects=3)))
+               for _ in range(real)]
     out = EvalCollate(batch, 8)(samples)
     assert out["images"].shape == (batch, 3, 8, 8) and out["orig_size"].shape == (batch, 2)
     assert set(out) == {"images", "orig_size", "image_id"}  # padding is told by its id alone
     assert out["image_id"][:real].tolist() == [int(t["image_id"]) for _, t in samples]
     assert (out["image_id"][real:] == -1).all() and not out["images"][real:].any()
+    assert torch.equal(out["images"][:real], torch.stack([image for image, _ in samples]))  # the pixels themselves
     assert torch.equal(out["orig_size"][:real], torch.stack([t["orig_size"] for _, t in samples]))
 
 

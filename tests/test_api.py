@@ -49,7 +49,7 @@ def test_train_runs_epochs_stops_early_and_returns_the_weight_file(api_train, sy
     1, an improvement of 1.0 mAP required) and returns that step's ``last.pth`` and the last record."""
     proc, out = api_train
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.split("RESULT", 1)[1].split("AGAIN", 1)[0])
+    result = json.loads(proc.stdout.split("RESULT", 1)[1].splitlines()[0])
     assert Path(result["weights"]) == out / "last.pth" and (out / "last.pth").is_file()
     assert result["metrics"]["step"] == 2 and result["metrics"]["early_stopped"] is True, result
     assert "eval/mAP" in result["metrics"] and result["metrics"]["loss"] > 0
@@ -70,7 +70,7 @@ def test_a_relaunch_of_an_early_stopped_run_trains_no_more(api_train):
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads((out / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert meta["step"] == 2 and meta["early_stopped"] is True
-    again = json.loads(proc.stdout.split("AGAIN", 1)[1])
+    again = json.loads(proc.stdout.split("AGAIN", 1)[1].splitlines()[0])
     assert again["metrics"]["step"] == 2 and again["metrics"]["early_stopped"] is True, again  # no record added
     assert "this run stopped early at step 2 (early stopping); nothing left to train" in proc.stderr
     assert torch.load(out / "last.pth", weights_only=False)["step"] == 2

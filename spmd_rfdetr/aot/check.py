@@ -110,7 +110,7 @@ def compile_traced(topology: str, work: Path) -> list[dict[str, Any]]:
     results = work / "results.json"
     results.unlink(missing_ok=True)
     command = [sys.executable, "-m", "spmd_rfdetr.aot.tpu_compile", str(work), "--topology", topology,
-               "--json", str(results)]
+               "--json", str(results), "--hlo-out", str(work / "compiled")]  # --keep leaves what libtpu compiled
     _child(command, os.environ.copy(), "compiling for the TPU", ok=(0, 1, 2))
     return json.loads(results.read_text())["results"]
 

@@ -71,14 +71,15 @@ GATHER_SLICE_BYTES = 512
 #: (label ``backward/<path>``) is matched without its ``backward/`` and charged to ``<component> (backward)``.
 #: Source-file rules after the labels: for ops that carry no label (set-up, a program traced without labels).
 RULES: list[tuple[str, str]] = [
-    # the training step's own scopes (labels)
+    # the matcher's solver first: the device auction's While bodies are lowered late, after the optimizer has run,
+    # and their ops carry the Python frame of whatever ran then (adam.py, step.py) besides their op name
+    ("matcher: solver", r"^matcher\.solver/|xla__assignment_while|spmd_rfdetr/matching\.py"),
+    # the training step's own scopes (labels) and files
     ("EMA", r"^ema/|spmd_rfdetr/ema\.py"),
     ("AdamW", r"^adamw/|torch/optim/(adamw?|optimizer)\.py"),
     ("gradient clipping", r"^clip/|torch/nn/utils/clip_grad\.py"),
     ("LR schedule", r"^lr_schedule/|torch/optim/lr_scheduler\.py|spmd_rfdetr/model\.py"),
     ("non-finite guard", r"^nonfinite_guard/|spmd_rfdetr/step\.py"),
-    # the matcher: its cost matrix, then its solver (the device auction's While loops)
-    ("matcher: solver", r"^matcher\.solver/|xla__assignment_while|spmd_rfdetr/matching\.py"),
     ("matcher: cost", r"^matcher\.(cost|mask_cost)/|rfdetr/models/matcher\.py"),
     # the criterion, by loss: masks by scope, GIoU and L1 by the line inside them (rfdetr's box_ops, F.l1_loss)
     ("criterion: masks", r"^criterion\.masks/|spmd_rfdetr/masks\.py"),

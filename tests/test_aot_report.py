@@ -303,3 +303,144 @@ def test_topology_names() -> None:
     for bad in ("v7x:2x2", "v4:2x2", "v5e", "v5e:0x2", "tpu"):
         with pytest.raises(chips.TopologyError, match="valid names: v5e:1x1, v5e:2x2"):
             chips.parse_topology(bad)
+
+
+# --- bytes by component (spmd_rfdetr.aot.components) -----------------------------------------------------------------
+# A compiled step in miniature, as libtpu 0.0.21 prints one of the aot verb's labelled programs: the trace's module
+# paths in the op names (``backbone.0.encoder...``, ``backward/...``, ``matcher.solver/...``), source files, a fusion
+# without metadata of its own, compiler-inserted prefetches and slices without any, a gather fusion and a While loop.
+ADAM = f"{SITE}/torch/optim/adam.py"
+STEP = f"""HloModule jit_train_step, is_scheduled=true, num_partitions=1
+
+%fused_mm (p0: bf16[16,64], p1: bf16[64,32]) -> bf16[16,32] {{
+  %p0 = bf16[16,64]{{1,0:T(8,128)(2,1)}} parameter(0)
+  %p1 = bf16[64,32]{{1,0:T(8,128)(2,1)}} parameter(1)
+  ROOT %dot.1 = bf16[16,32]{{1,0:T(8,128)(2,1)}} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, metadata={{op_name="backbone.0.encoder.encoder.layer.0.mlp.fc1/aten__mm" source_file="{SITE}/torch/nn/modules/linear.py" source_line=134}}
+}}
+
+%fused_softmax_grad (s0: f32[8,32]) -> f32[8,32] {{
+  %s0 = f32[8,32]{{1,0:T(8,128)}} parameter(0)
+  ROOT %exponential.1 = f32[8,32]{{1,0:T(8,128)}} exponential(%s0), metadata={{op_name="backward/transformer.decoder.layers.0.self_attn/aten___softmax_backward_data"}}
+}}
+
+%fused_norm_grad (n0: f32[8,32]) -> f32[8,32] {{
+  %n0 = f32[8,32]{{1,0:T(8,128)}} parameter(0)
+  ROOT %negate.1 = f32[8,32]{{1,0:T(8,128)}} negate(%n0)
+}}
+
+%fused_rows (g0: f32[4,16], g1: s32[10,1]) -> f32[10,16] {{
+  %g0 = f32[4,16]{{1,0:T(8,128)}} parameter(0)
+  %g1 = s32[10,1]{{1,0:T(8,128)}} parameter(1)
+  ROOT %gather.1 = f32[10,16]{{1,0:T(8,128)}} gather(%g0, %g1), offset_dims={{1}}, collapsed_slice_dims={{0}}, start_index_map={{0}}, index_vector_dim=1, slice_sizes={{1,16}}
+}}
+
+%solver_body (b: (s32[], f32[4,100])) -> (s32[], f32[4,100]) {{
+  %b = (s32[]{{:T(128)}}, f32[4,100]{{1,0:T(4,128)}}) parameter(0)
+  %gte.1 = s32[]{{:T(128)}} get-tuple-element(%b), index=0
+  %gte.2 = f32[4,100]{{1,0:T(4,128)}} get-tuple-element(%b), index=1
+  %multiply.1 = f32[4,100]{{1,0:T(4,128)}} multiply(%gte.2, %gte.2), metadata={{op_name="matcher.solver/xla__assignment_while/call.7/aten__mul" source_file="/work/spmd_rfdetr/matching.py" source_line=240}}
+  %add.2 = s32[]{{:T(128)}} add(%gte.1, %gte.1), metadata={{op_name="matcher.solver/xla__assignment_while/call.7/aten__add"}}
+  ROOT %tuple.1 = (s32[]{{:T(128)}}, f32[4,100]{{1,0:T(4,128)}}) tuple(%add.2, %multiply.1)
+}}
+
+%solver_cond (c: (s32[], f32[4,100])) -> pred[] {{
+  %c = (s32[]{{:T(128)}}, f32[4,100]{{1,0:T(4,128)}}) parameter(0)
+  %gte.3 = s32[]{{:T(128)}} get-tuple-element(%c), index=0
+  ROOT %compare.1 = pred[]{{:T(512)}} compare(%gte.3, %gte.3), direction=LT, metadata={{op_name="matcher.solver/xla__assignment_while/call.7/aten__lt"}}
+}}
+
+ENTRY %main.1_spmd (param.0: bf16[16,64], param.1: bf16[64,32], param.2: f32[8,32], param.3: f32[8,16], param.4: s32[10,1], param.5: (s32[], f32[4,100])) -> (bf16[16,32], f32[256], f32[10,16], f32[8,32]) {{
+  %param.0 = bf16[16,64]{{1,0:T(8,128)(2,1)}} parameter(0), metadata={{op_name="xla__device_data"}}
+  %param.1 = bf16[64,32]{{1,0:T(8,128)(2,1)}} parameter(1)
+  %param.2 = f32[8,32]{{1,0:T(8,128)}} parameter(2)
+  %param.3 = f32[8,16]{{1,0:T(8,128)}} parameter(3)
+  %param.4 = s32[10,1]{{1,0:T(8,128)}} parameter(4)
+  %param.5 = (s32[]{{:T(128)}}, f32[4,100]{{1,0:T(4,128)}}) parameter(5)
+  %fusion.1 = bf16[16,32]{{1,0:T(8,128)(2,1)}} fusion(%param.0, %param.1), kind=kOutput, calls=%fused_mm, metadata={{op_name="backbone.0.encoder.encoder.layer.0.mlp.fc1/aten__mm" source_file="{SITE}/torch/nn/modules/linear.py" source_line=134}}
+  %fusion.2 = f32[8,32]{{1,0:T(8,128)}} fusion(%param.2), kind=kLoop, calls=%fused_softmax_grad
+  %fusion.4 = f32[8,32]{{1,0:T(8,128)}} fusion(%fusion.2), kind=kLoop, calls=%fused_norm_grad, metadata={{op_name="aten__native_layer_norm_backward"}}
+  %copy-start.1 = (f32[8,32]{{1,0:T(8,128)S(1)}}, f32[8,32]{{1,0:T(8,128)}}, u32[]{{:S(2)}}) copy-start(%fusion.4)
+  %copy-done.1 = f32[8,32]{{1,0:T(8,128)S(1)}} copy-done(%copy-start.1)
+  %add.1 = f32[8,32]{{1,0:T(8,128)}} add(%copy-done.1, %copy-done.1), metadata={{op_name="aten__add" source_file="{ADAM}" source_line=400}}
+  %reshape.1 = f32[256]{{0:T(256)}} reshape(%add.1), metadata={{op_name="transformer.decoder.layers.0.cross_attn/aten__view" source_file="{SITE}/rfdetr/models/ops/functions/ms_deform_attn_func.py" source_line=80}}
+  %slice-start.1 = ((f32[8,16]{{1,0:T(8,128)}}), f32[4,16]{{1,0:T(8,128)S(1)}}, s32[]{{:S(2)}}) slice-start(%param.3), slice={{[0:4], [0:16]}}
+  %slice-done.1 = f32[4,16]{{1,0:T(8,128)S(1)}} slice-done(%slice-start.1)
+  %fusion.3 = f32[10,16]{{1,0:T(8,128)}} fusion(%slice-done.1, %param.4), kind=kCustom, calls=%fused_rows, metadata={{op_name="criterion/aten__gather" source_file="/work/spmd_rfdetr/loss.py" source_line=300}}
+  %while.1 = (s32[]{{:T(128)}}, f32[4,100]{{1,0:T(4,128)}}) while(%param.5), condition=%solver_cond, body=%solver_body
+  ROOT %tuple.9 = (bf16[16,32]{{1,0:T(8,128)(2,1)}}, f32[256]{{0:T(256)}}, f32[10,16]{{1,0:T(8,128)}}, f32[8,32]{{1,0:T(8,128)}}) tuple(%fusion.1, %reshape.1, %fusion.3, %fusion.4)
+}}
+"""
+
+#: Bytes per component, by hand from the rules of spmd_rfdetr.aot.components.
+GATHER = 10 * (4096 + 512)  # 10 rows of 16 f32, each within one (8,128) f32 tile of 4 KiB, + 512 bytes a slice
+STEP_BYTES = {
+    "DINOv2 backbone": 2048 + 4096 + 1024,  # the matmul fusion: operands and output, logical
+    "decoder self-attention (backward)": 1024 + 1024,  # no metadata of its own: its root's (a labelled backward op)
+    "backward (unattributed)": 1024 + 1024,  # a *_backward op without a label or a source line
+    "AdamW": 1024 + 1024 + 3 * 1024,  # adam.py's add, and the prefetch (copy-start) that feeds it (inherited)
+    "deformable cross-attention: sampler": 8 * 128 * 4 + 256 * 4,  # a reshape: tiled operand and result
+    "criterion: class": 2 * 256 + GATHER,  # the slice-start feeding the gather (inherited), the gather fusion
+    "matcher: solver": 3 * 1600 + 3 * 4 + 4 + 4 + 1,  # the While body (multiply, add) and condition (compare)
+}
+
+
+def test_bytes_by_component_attributes_and_sums() -> None:
+    from spmd_rfdetr.aot.components import bytes_by_component
+
+    total = sum(STEP_BYTES.values())
+    table = bytes_by_component(STEP, compiler_bytes=total * 1.05, compiler_flops=70000, images=2)
+    got = {r["component"]: r["bytes"] for r in table["components"]}
+    assert got == STEP_BYTES
+    assert table["total_bytes"] == total and table["vs_compiler"] == round(1 / 1.05 - 1, 4)  # -4.8%: within 10%
+    rows = {r["component"]: r for r in table["components"]}
+    assert rows["DINOv2 backbone"]["matmul_flops"] == 2 * 16 * 32 * 64 and table["matmul_flops"] == 2 * 16 * 32 * 64
+    assert rows["AdamW"]["bytes_per_image"] == STEP_BYTES["AdamW"] / 2
+    assert abs(sum(r["share"] for r in table["components"]) - 1) < 1e-3
+    assert [r["bytes"] for r in table["components"]] == sorted(STEP_BYTES.values(), reverse=True)
+    # the While loop: per iteration, apart, and counted once in the total (as the compiler counts it)
+    solver = STEP_BYTES["matcher: solver"]
+    assert table["loops"] == {"while.1": {"bytes_per_iteration": solver, "flops_per_iteration": 0,
+                                          "components": {"matcher: solver": solver}}}
+    assert rows["matcher: solver"]["in_loops_bytes"] == STEP_BYTES["matcher: solver"]
+
+
+def test_gather_fusion_priced_by_the_compiler() -> None:
+    """A gather fusion the compiler priced alone (tpu_compile.fusion_costs) is charged that, not the model."""
+    from spmd_rfdetr.aot.components import bytes_by_component, gather_fusions
+
+    modules = gather_fusions(STEP)
+    assert list(modules) == ["fused_rows"]
+    assert "ENTRY fused_rows" in modules["fused_rows"] and "T(8,128)" not in modules["fused_rows"]
+    table = bytes_by_component(STEP, fusion_bytes={"fused_rows": 123456})
+    assert {r["component"]: r["bytes"] for r in table["components"]}["criterion: class"] == 2 * 256 + 123456
+
+
+@pytest.mark.parametrize("key, component", [
+    ("transformer.decoder.layers.2.self_attn/aten__bmm|/x/torch/functional.py:12", "decoder self-attention"),
+    ("backward/transformer.decoder.layers.2.self_attn/aten__bmm|", "decoder self-attention (backward)"),
+    ("transformer.decoder.layers.0.cross_attn/aten__index_select|/work/spmd_rfdetr/mesh.py:150",
+     "deformable cross-attention: sampler"),
+    ("transformer.decoder.layers.0.cross_attn.value_proj/aten__mm|/x/torch/nn/modules/linear.py:134",
+     "deformable cross-attention"),
+    ("backbone.0.projector.stages.0.0.cv1.conv/aten__convolution_overrideable|", "projector"),
+    ("transformer.enc_output.0/aten__mm|", "two-stage proposals"),
+    ("transformer/aten__topk|/x/rfdetr/models/transformer.py:520", "two-stage proposals"),
+    ("class_embed/aten__mm|", "heads"),
+    ("transformer.decoder.bbox_embed.0.layers.1/aten__mm|", "heads"),
+    ("matcher.cost/aten__cdist|/x/rfdetr/models/matcher.py:80", "matcher: cost"),
+    ("criterion/aten__sub|/x/rfdetr/utilities/box_ops.py:130", "criterion: GIoU"),
+    ("criterion/aten__abs|/x/torch/nn/functional.py:3770", "criterion: box (L1)"),
+    ("criterion.masks/aten__mul|/work/spmd_rfdetr/masks.py:120", "criterion: masks"),
+    ("clip/aten__norm|/x/torch/nn/utils/clip_grad.py:40", "gradient clipping"),
+    ("aten__lerp|/work/spmd_rfdetr/ema.py:50", "EMA"),
+    ("aten__where|/work/spmd_rfdetr/step.py:248", "non-finite guard"),
+    ("aten__mul|/work/spmd_rfdetr/model.py:210", "LR schedule"),
+    ("aten__topk|/x/rfdetr/models/postprocess.py:138", "eval post-processing"),
+    ("aten__native_batch_norm_backward|", "backward (unattributed)"),
+    ("aten__mul|/x/somewhere_else.py:1", "other"),
+    ("|", "other (no metadata)"),
+])
+def test_attribution_rules(key: str, component: str) -> None:
+    from spmd_rfdetr.aot.components import attribute
+
+    assert attribute(key) == component

@@ -4,8 +4,10 @@ Two child processes, so that neither runtime sees the other: :mod:`spmd_rfdetr.a
 virtual XLA CPU devices as the topology has TPU devices) writes the HLO of every program ``fit`` runs, then
 :mod:`spmd_rfdetr.aot.tpu_compile` (JAX's compile-only client on libtpu, the ``aot`` extra) compiles each for the
 topology and reports memory per chip, FLOPs and bytes, a roofline time, collectives in the body and inside loops, the
-largest byte movers and compile time. ``--max-batch`` searches ``data.per_device_batch_size`` for the largest
-training step that compiles (and the largest with ``headroom`` of HBM free), compiling the step at each probe.
+largest byte movers, the bytes and FLOPs of each model component (:mod:`spmd_rfdetr.aot.components`, from the module
+paths the trace writes into the op names) and compile time. ``--max-batch`` searches ``data.per_device_batch_size``
+for the largest training step that compiles (and the largest with ``headroom`` of HBM free), compiling the step at
+each probe.
 
 Exit status: 0 every program compiles; 2 a config/topology problem or a program that does not fit in HBM (its numbers
 printed; found before anything is compiled for the CPU or run); 1 another compiler error.
@@ -110,7 +112,7 @@ def compile_traced(topology: str, work: Path) -> list[dict[str, Any]]:
     results = work / "results.json"
     results.unlink(missing_ok=True)
     command = [sys.executable, "-m", "spmd_rfdetr.aot.tpu_compile", str(work), "--topology", topology,
-               "--json", str(results)]
+               "--json", str(results), "--hlo-out", str(work / "compiled")]  # --keep leaves what libtpu compiled
     _child(command, os.environ.copy(), "compiling for the TPU", ok=(0, 1, 2))
     return json.loads(results.read_text())["results"]
 

@@ -13,6 +13,8 @@
   ``hbm_published_bytes`` the data-sheet figure); ``hbm_free_fraction`` = 1 - peak / hbm_bytes.
 - ``flops``/``bytes_accessed``/``transcendentals`` are XLA's cost analysis of the partitioned program: a While body is
   counted once, whatever its trip count. ``roofline_ms`` = max(flops / peak bf16 FLOP/s, bytes / HBM bandwidth).
+- ``bytes_by_component``: the compiled module's bytes and matmul FLOPs by model component, from op metadata, with
+  each While loop's bytes per iteration (:mod:`spmd_rfdetr.aot.components`); printed after the table.
 - Exit status: 0 all compiled; 1 any error other than out-of-HBM (wins over 2); 2 any program did not fit in HBM,
   or the topology is not valid.
 """
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from spmd_rfdetr.aot import chips as chips_mod
+from spmd_rfdetr.aot.components import bytes_by_component, format_table, gather_fusions
 from spmd_rfdetr.aot.hlo_report import parse_oom, report
 
 #: libtpu probes for TPU hardware and a metadata server unless told it is elsewhere (no effect on the compile); the
@@ -147,6 +150,27 @@ def _cost(exe) -> dict[str, float]:
             "transcendentals": float(c.get("transcendentals", 0.0))}
 
 
+def fusion_costs(modules: dict[str, str], devices: list) -> dict[str, float]:
+    """The cost analysis's bytes of each module of :func:`~spmd_rfdetr.aot.components.gather_fusions` compiled alone
+    for one device of the topology (identical modules once). One that does not compile is left out."""
+    from jax._src.lib import _jax
+    from jax._src.lib import xla_client as xc
+
+    one, seen, out = devices[:1], {}, {}
+    for name, text in modules.items():
+        key = text.replace(name, "fused")
+        if key not in seen:
+            try:
+                proto = _jax.hlo_module_from_text(text).as_serialized_hlo_module_proto()
+                exe = one[0].client.compile(to_stablehlo(proto, []), xc.DeviceList(tuple(one)), compile_options(one))
+                seen[key] = _cost(exe)["bytes_accessed"]
+            except Exception:  # noqa: BLE001 - a spelling the parser does not take: the model prices it
+                seen[key] = None
+        if seen[key] is not None:
+            out[name] = seen[key]
+    return out
+
+
 def compile_program(prog: dict, base: Path, devices: list, chip: chips_mod.Chip, hlo_out: Path | None) -> dict:
     """Compile one ``programs.json`` entry; the result holds the entry's keys plus what the compiler said."""
     from jax._src.lib import xla_client as xc
@@ -185,6 +209,12 @@ def compile_program(prog: dict, base: Path, devices: list, chip: chips_mod.Chip,
         res.update(report(text))
     except ValueError as e:  # an HLO spelling the reader does not know: keep the compiler's numbers
         res["report_error"] = str(e)[:500]
+    try:
+        res["bytes_by_component"] = bytes_by_component(text, res["bytes_accessed"], res["flops"],
+                                                       prog.get("images_per_device"),
+                                                       fusion_bytes=fusion_costs(gather_fusions(text), devices))
+    except Exception as e:  # noqa: BLE001 - the breakdown is a reading of the text: never lose the compile for it
+        res["bytes_by_component_error"] = f"{type(e).__name__}: {e}"[:500]
     if hlo_out is not None:
         hlo_out.mkdir(parents=True, exist_ok=True)
         (hlo_out / (re.sub(r"[^\w.\-]+", "_", prog["name"]) + ".hlo.txt")).write_text(text)
@@ -241,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                         **{k: v for k, v in r.items() if k not in prog}})
         out.write_text(json.dumps({"results": results}, indent=1))  # after each program: a long run leaves partials
     print_table(results)
+    for r in results:
+        if r.get("bytes_by_component"):
+            print("\n" + format_table(r["name"], r["bytes_by_component"]))
     failed = [r for r in results if not r["compiled"]]
     for r in failed:
         if r.get("oom"):

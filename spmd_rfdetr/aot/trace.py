@@ -9,7 +9,9 @@ torch_xla compiles, with the training state it updates marked for donation (:met
 and the eval forward + post-processing on a blank eval batch (traced lazily here; ``fit`` compiles the same forward
 with ``torch.compile(backend="openxla")``). Nothing is compiled for the CPU or run: a few tiny set-up graphs (AdamW
 state, copies of the weights) are all that execute. ``XLA_HLO_DEBUG=1`` (set by the verb) puts the Python source
-line of every op into the HLO metadata, so the compiler's report can name the line that causes a collective.
+line of every op into the HLO metadata, so the compiler's report can name the line that causes a collective, and
+:func:`~spmd_rfdetr.aot.labels.module_labels` prefixes each op's name with the path of the module that ran it (the
+compiler's report attributes bytes to components by both: :mod:`spmd_rfdetr.aot.components`).
 
 Writes ``DIR/programs.json`` (the interface of :mod:`spmd_rfdetr.aot.tpu_compile`) and one ``.hlo.pb`` per program.
 """
@@ -78,7 +80,8 @@ def trace_programs(cfg: RunConfig, out: Path, train_only: bool = False) -> list[
     import torch
     import torch_xla.runtime as xr
 
-    from spmd_rfdetr.build import build_trainer
+    from spmd_rfdetr.aot.labels import module_labels
+    from spmd_rfdetr.build import build_trainer, unwrap
     from spmd_rfdetr.data import blank_batch
     from spmd_rfdetr.evaluate import EvalForward, eval_sizes
     from spmd_rfdetr.fabric import spmd_fabric
@@ -107,7 +110,8 @@ def trace_programs(cfg: RunConfig, out: Path, train_only: bool = False) -> list[
     for size in sizes:
         batch = place(blank_batch(d.global_batch_size, size, d.max_targets, read_at,
                                   masks=is_segmentation(cfg.model.variant)))
-        lowered = trainer.step.lower(batch)
+        with module_labels({"": unwrap(trainer.model), "criterion": trainer.criterion}, step_scopes(trainer)):
+            lowered = trainer.step.lower(batch)
         name = f"train_step {size}px"
         programs.append(_write(out, name, "train", lowered, d.global_batch_size, devices, size, common))
         log.info("traced %s: %d instructions, %d donated inputs", name, lowered.instructions, len(lowered.donors))
@@ -115,13 +119,27 @@ def trace_programs(cfg: RunConfig, out: Path, train_only: bool = False) -> list[
         eval_batch, num_select = eval_sizes(cfg, cfgs)
         forward = EvalForward(trainer.inference_model, num_select, fabric.strategy.precision.forward_context)
         blank = place(blank_batch(eval_batch, cfgs.model.resolution, d.max_targets))
-        with torch.no_grad(), forward.eval_mode():
+        with torch.no_grad(), forward.eval_mode(), module_labels({"": unwrap(trainer.inference_model)}):
             detections = forward._forward(blank["images"], blank["orig_size"])  # lazily: same graph as openxla's
         outputs = list(detections) if isinstance(detections, tuple) else [detections]  # seg: rows and masks
         programs.append(_write(out, f"eval {cfgs.model.resolution}px", "eval", lower(outputs, name="eval_forward"),
                                eval_batch, devices, cfgs.model.resolution, common))
     (out / "programs.json").write_text(json.dumps({"programs": programs}, indent=1))
     return programs
+
+
+def step_scopes(trainer: Any) -> list[tuple[str, Any, str]]:
+    """Functions of the training step that are not a module's forward and return what they compute, as labels for
+    :func:`~spmd_rfdetr.aot.labels.module_labels` (the names :data:`spmd_rfdetr.aot.components.RULES` reads).
+    AdamW, the EMA, the LR schedule and the non-finite guard update tensors in place: their source files tell them."""
+    import torch
+
+    import spmd_rfdetr.loss as loss_mod
+
+    matcher = getattr(trainer.criterion, "matcher", None)
+    return [("clip", torch.nn.utils, "clip_grad_norm_"), ("matcher.cost", matcher, "cost"),
+            ("matcher.mask_cost", matcher, "mask_costs"), ("matcher.solver", matcher, "_solve"),
+            ("criterion.masks", loss_mod, "mask_losses")]
 
 
 def _write(out: Path, name: str, kind: str, lowered: Any, global_batch: int, devices: int, resolution: int,

@@ -1,0 +1,540 @@
+"""Bytes and FLOPs of a compiled (post-optimisation) HLO module by model component, from its op metadata.
+
+Pure Python (no jax, no torch), like :mod:`spmd_rfdetr.aot.hlo_report`; :func:`bytes_by_component` gives the
+JSON-ready table ``tpu_compile`` stores for each program under ``bytes_by_component``.
+
+**What is counted.** Every *top-level* instruction (of ENTRY, of While bodies and conditions, of conditional branches
+and ``call`` targets; never one inside a fusion) is charged the HBM bytes the TPU's cost analysis charges it, as far
+as its text shows them (libtpu 0.0.21; each rule checked on one-op programs compiled alone):
+
+- an ordinary op or a fusion: its operands and its outputs at their logical size (elements x element size; an
+  ``add`` of ``f32[8192,16]`` costs 3 x 512 KiB, not the 128-lane tiles it occupies);
+- ``reshape``: its operand and result at their *tiled* size (``f32[8192,16]{1,0:T(8,128)}`` is 8192 x 128 x 4
+  bytes): on a TPU it rewrites whole tiles;
+- ``slice``/``dynamic-slice``/``slice-start``: twice the slice (it reads only what it returns),
+  ``dynamic-update-slice`` twice the update (in place); an async ``*-start``: its operands and its result, not the
+  operand alias its tuple carries; ``*-done``, parameters, constants, tuples, get-tuple-elements, bitcasts: nothing;
+- a fusion that holds a gather: what the compiler charges that fusion compiled alone
+  (:func:`gather_fusions`, priced by ``tpu_compile.fusion_costs``): the TPU prices a gather by the memory tiles it
+  reads (one per index for an element-wise gather, some 4.6 KB for an f32 value), which the text does not show;
+  without that price, :func:`_model_gather` (tiles per slice + :data:`GATHER_SLICE_BYTES`).
+
+libtpu's ``bytes accessed`` is the same kind of sum (a While body once, whatever its trip count); its
+per-instruction figures are not exported, so the sum differs from it: ``vs_compiler`` says by how much (v5e.yaml on
+v5e:2x4: within 10% for the training step and the eval). FLOPs are counted for ``dot`` and ``convolution`` ops
+(fused ones too, charged to their fusion) from their shapes and windows (a batched matmul that XLA writes as a
+convolution over a dilated window counts the pairs that read real input); the compiler's total also counts
+element-wise ops (``matmul_share_of_compiler_flops``).
+
+**Attribution.** Each instruction's metadata is read as one string, ``"<op_name>|<source file>:<line>"``: torch_xla
+writes the innermost Python frame of every op with ``XLA_HLO_DEBUG=1`` (the ``aot`` verb sets it when it traces),
+and the trace prefixes op names with the path of the ``nn.Module`` (or a scope of the step: the matcher's cost and
+solver, the mask losses, clipping) that computed them, ``backward/<path>`` for what autograd ran for it
+(:mod:`spmd_rfdetr.aot.labels`). The first rule of :data:`RULES` whose pattern matches names the component;
+a backward op is matched without its ``backward/`` and charged to ``<component> (backward)``; nothing matches:
+``other`` (``backward (unattributed)`` for an unlabelled ``*_backward`` op, ``other (no metadata)`` for none).
+
+- A fusion is attributed by the metadata XLA gave it when it fused, which is its *root* instruction's (the op whose
+  result the fusion returns): a fusion of a softmax with the matmul that feeds it goes to whichever op returns the
+  result. A fusion without metadata of its own is read through its root, then its first fused instruction with some.
+- An instruction without metadata (a copy, slice or prefetch the compiler inserted) is charged to the component of
+  its nearest user with metadata, else of its nearest operand with some.
+- Each While loop's top-level instructions are also summed per iteration (``loops``: bytes and matmul FLOPs per
+  iteration, by component; a nested loop's instructions count in the innermost loop only).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from spmd_rfdetr.aot.hlo_report import (
+    CONTROL_FLOW,
+    SKIP_BYTES,
+    Computation,
+    Instr,
+    Module,
+    _bits,
+    _reach,
+    _split_top,
+    parse_module,
+    shape_bytes,
+)
+
+#: Bytes the TPU's cost model charges per gathered slice beyond the memory tiles it spans (libtpu 0.0.21, measured on
+#: single-gather programs: an element-wise f32 gather 4,624 bytes per element, rows of 16 bf16 2,604, of 256 4,620).
+GATHER_SLICE_BYTES = 512
+
+#: (component, pattern) pairs, first match wins; the pattern is searched (``re.search``) in
+#: ``"<op_name>|<source_file>:<line>"``, where the op name starts with the label the trace gave the op (the module
+#: path, or a scope of the training step: :func:`spmd_rfdetr.aot.trace.step_scopes`) when it has one. A backward op
+#: (label ``backward/<path>``) is matched without its ``backward/`` and charged to ``<component> (backward)``.
+#: Source-file rules after the labels: for ops that carry no label (set-up, a program traced without labels).
+RULES: list[tuple[str, str]] = [
+    # the matcher's solver first: the device auction's While bodies are lowered late, after the optimizer has run,
+    # and their ops carry the Python frame of whatever ran then (adam.py, step.py) besides their op name
+    ("matcher: solver", r"^matcher\.solver/|xla__assignment_while|spmd_rfdetr/matching\.py"),
+    # the training step's own scopes (labels) and files
+    ("EMA", r"^ema/|spmd_rfdetr/ema\.py"),
+    ("AdamW", r"^adamw/|torch/optim/(adamw?|optimizer)\.py"),
+    ("gradient clipping", r"^clip/|torch/nn/utils/clip_grad\.py"),
+    ("LR schedule", r"^lr_schedule/|torch/optim/lr_scheduler\.py|spmd_rfdetr/model\.py"),
+    ("non-finite guard", r"^nonfinite_guard/|spmd_rfdetr/step\.py"),
+    ("matcher: cost", r"^matcher\.(cost|mask_cost)/|rfdetr/models/matcher\.py"),
+    # the criterion, by loss: masks by scope, GIoU and L1 by the line inside them (rfdetr's box_ops, F.l1_loss)
+    ("criterion: masks", r"^criterion\.masks/|spmd_rfdetr/masks\.py"),
+    ("criterion: GIoU", r"^criterion[^|]*\|.*(box_ops\.py:(1[2-9]\d)|torchvision/ops/boxes\.py)"),
+    ("criterion: box (L1)", r"^criterion[^|]*\|.*torch/nn/functional\.py:37\d\d"),
+    ("criterion: class", r"^criterion|spmd_rfdetr/loss\.py|rfdetr/models/criterion\.py"),
+    # the model, by module path (labels), then by source file
+    ("deformable cross-attention: sampler",
+     r"cross_attn[^|]*\|.*(ms_deform_attn_func\.py|spmd_rfdetr/xla_safe\.py|spmd_rfdetr/mesh\.py|"
+     r"rfdetr/utilities/tensors\.py)|ms_deform_attn_func\.py"),
+    ("deformable cross-attention", r"\.cross_attn\b|ms_deform_attn\.py"),
+    ("decoder self-attention", r"\.self_attn\b"),
+    ("two-stage proposals", r"^transformer\.enc_|^transformer/"),
+    ("heads", r"^(transformer\.decoder\.)?(class_embed|bbox_embed)|^segmentation_head|heads/segmentation\.py"),
+    ("decoder (FFN, norms, reference points)", r"^transformer\.decoder|^transformer\b|rfdetr/models/transformer\.py"),
+    ("projector", r"^backbone\.0\.projector|backbone/projector\.py"),
+    ("DINOv2 backbone", r"^backbone|dinov2|rfdetr/models/backbone/|position_encoding\.py"),
+    ("eval post-processing", r"postprocess\.py|spmd_rfdetr/evaluate\.py"),
+    ("input normalisation", r"spmd_rfdetr/data\.py"),
+]
+
+#: torch_xla's op names of what autograd ran, for ops without a label or a source line.
+BACKWARD = re.compile(r"_backward")
+
+
+@dataclass
+class Charge:
+    component: str
+    bytes: float
+    flops: float
+    loop: str | None  # the While instruction whose body holds it (innermost), or None
+
+
+def _dims(dims: str) -> list[int]:
+    out = []
+    for d in dims.split(","):
+        d = d.strip().lstrip("<=")
+        if d.isdigit():
+            out.append(int(d))
+    return out
+
+
+_ARRAY_LAYOUT = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\](\{[^{}]*(?:\([^()]*\)[^{}]*)*\})?")
+
+
+def tiled_bytes(shape: str) -> int:
+    """Bytes of an array or tuple shape at its layout's first tile: ``f32[10,20]{1,0:T(8,128)}`` -> 16 x 128 x 4."""
+    total = 0.0
+    for dtype, dims, layout in _ARRAY_LAYOUT.findall(shape):
+        ds = _dims(dims)
+        if layout and ds:
+            m2m_text, _, rest = layout[1:-1].partition(":")
+            m2m = [int(x) for x in m2m_text.split(",") if x.strip().isdigit()]
+            tile = re.search(r"T\(([\d,]+)\)", rest)
+            if tile and m2m:
+                sizes = [int(x) for x in tile.group(1).split(",")]
+                for k, t in enumerate(reversed(sizes)):  # the tile's last size is the most minor dimension's
+                    if k < len(m2m) and m2m[k] < len(ds):
+                        d = m2m[k]
+                        ds[d] = -(-ds[d] // t) * t
+        n = 1
+        for d in ds:
+            n *= d
+        total += n * _bits(dtype) / 8
+    return int(total)
+
+
+def _tile_bytes(shape: str) -> float:
+    m = re.match(r"\s*([a-z][a-z0-9]*)\[", shape)
+    if not m:
+        return 0.0
+    n = 1
+    if (tile := re.search(r"T\(([\d,]+)\)", shape)):
+        for x in tile.group(1).split(","):
+            n *= int(x)
+    return n * _bits(m.group(1)) / 8
+
+
+def _elements(shape: str) -> int:
+    m = re.search(r"\[([^\]]*)\]", shape)
+    n = 1
+    for d in _dims(m.group(1)) if m else []:
+        n *= d
+    return n
+
+
+def _operand_shape(comp: Computation, name: str, inline: str) -> str:
+    return inline or comp.shapes.get(name, "")
+
+
+def _int_list(attrs: str, key: str) -> list[int]:
+    m = re.search(rf"\b{key}=\{{([^}}]*)\}}", attrs)
+    return [int(x) for x in m.group(1).split(",") if x.strip().lstrip("-").isdigit()] if m else []
+
+
+def matmul_flops(ins: Instr, comp: Computation) -> float:
+    """2 x output elements x contracted elements of a ``dot``; of a ``convolution`` 2 x output x (kernel / outputs)."""
+    if ins.opcode == "dot" and ins.operands:
+        lhs = re.search(r"\[([^\]]*)\]", _operand_shape(comp, *ins.operands[0]))
+        lhs_dims = _dims(lhs.group(1)) if lhs else []
+        k = 1
+        for d in _int_list(ins.attrs, "lhs_contracting_dims"):
+            k *= lhs_dims[d] if d < len(lhs_dims) else 1
+        return 2.0 * _elements(ins.shape) * k
+    if ins.opcode == "convolution" and len(ins.operands) > 1:
+        return _convolution_flops(ins, comp)
+    return 0.0
+
+
+def _window_pairs(out: int, size: int, stride: int, pad_lo: int, lhs_dilate: int, rhs_dilate: int,
+                  inp: int) -> int:
+    """(output position, kernel position) pairs of one spatial dimension that read an input element (not padding,
+    not a hole of ``lhs_dilate``): XLA writes a batched matmul as a convolution whose window spans the batch with
+    ``lhs_dilate`` = window size, where only one kernel position per output is real."""
+    import numpy as np
+
+    o = np.arange(out, dtype=np.int64)[:, None]
+    k = np.arange(size, dtype=np.int64)[None, :]
+    pos = o * stride + k * rhs_dilate - pad_lo
+    extent = (inp - 1) * lhs_dilate + 1
+    return int(((pos >= 0) & (pos < extent) & (pos % lhs_dilate == 0)).sum())
+
+
+def _convolution_flops(ins: Instr, comp: Computation) -> float:
+    """2 x batch x output features x input features per group x the window pairs that read real input."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
+    lhs = re.search(r"\[([^\]]*)\]", _operand_shape(comp, *ins.operands[0]))
+    rhs = re.search(r"\[([^\]]*)\]", _operand_shape(comp, *ins.operands[1]))
+    out = re.search(r"\[([^\]]*)\]", ins.shape)
+    if not (labels and lhs and rhs and out):
+        return 0.0
+    lhs_l, rhs_l, out_l = labels.groups()
+    lhs_d, rhs_d, out_d = _dims(lhs.group(1)), _dims(rhs.group(1)), _dims(out.group(1))
+    window = re.search(r"window=\{([^}]*)\}", ins.attrs)
+    fields = dict(re.findall(r"(\w+)=(\S+)", window.group(1))) if window else {}
+
+    def per_dim(key: str, n: int, default: int) -> list[int]:
+        if key not in fields:
+            return [default] * n
+        return [int(x) for x in fields[key].split("x")]
+
+    spatial = [c for c in rhs_l if c.isdigit()]
+    n = len(spatial)
+    size, stride = per_dim("size", n, 1), per_dim("stride", n, 1)
+    lhs_dil, rhs_dil = per_dim("lhs_dilate", n, 1), per_dim("rhs_dilate", n, 1)
+    pads = [int(p.split("_")[0]) for p in fields["pad"].split("x")] if "pad" in fields else [0] * n
+    pairs = 1
+    for j, c in enumerate(spatial):
+        pairs *= _window_pairs(out_d[out_l.index(c)], size[j], stride[j], pads[j], lhs_dil[j], rhs_dil[j],
+                               lhs_d[lhs_l.index(c)])
+    return 2.0 * out_d[out_l.index("b")] * out_d[out_l.index("f")] * rhs_d[rhs_l.index("i")] * pairs
+
+
+def _slice_tiles(operand: str, slice_sizes: list[int]) -> int:
+    """Memory tiles of ``operand``'s layout one gathered slice spans (its two most minor dimensions' tiles)."""
+    m = _ARRAY_LAYOUT.search(operand)
+    if not m or not m.group(3):
+        return 1
+    m2m = [int(x) for x in m.group(3)[1:-1].partition(":")[0].split(",") if x.strip().isdigit()]
+    tile = re.search(r"T\(([\d,]+)\)", m.group(3))
+    sizes = [int(x) for x in tile.group(1).split(",")] if tile else []
+    tiles = 1
+    for k, t in enumerate(reversed(sizes)):
+        if k < len(m2m) and m2m[k] < len(slice_sizes):
+            tiles *= -(-max(slice_sizes[m2m[k]], 1) // t)
+    return tiles
+
+
+def _blocks(text: str) -> dict[str, str]:
+    """The text of each computation of a module, by name."""
+    blocks: dict[str, str] = {}
+    name, lines = None, []
+    for line in text.splitlines():
+        if name is None:
+            m = re.match(r"(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$", line)
+            if m and not line.startswith("HloModule"):
+                name, lines = m.group(2), [line]
+        else:
+            lines.append(line)
+            if line.startswith("}"):
+                blocks[name] = "\n".join(lines)
+                name = None
+    return blocks
+
+
+#: libtpu's own index custom calls inside gather fusions, which it does not take as input: plain copies instead.
+_TPU_CALLS = re.compile(r'custom-call\((%[^()]*)\), custom_call_target="(GatherScatterIndicesBitpacked|'
+                        r'AssumeGatherIndicesInBound)"[^\n]*')
+
+
+def _portable(block: str) -> str:
+    block = _TPU_CALLS.sub(r"copy(\1)", block)
+    block = re.sub(r"(?<=\])\{[^{}]*\}", "", block)  # layouts (tiles, memory spaces): the compiler picks its own
+    block = re.sub(r", metadata=\{[^{}]*\}", "", block)
+    return re.sub(r", backend_config=\{.*$", "", block, flags=re.M)
+
+
+def gather_fusions(text: str) -> dict[str, str]:
+    """Each fusion computation that holds a gather, as a module of its own (its parameters the module's): what
+    :func:`spmd_rfdetr.aot.tpu_compile.fusion_costs` compiles alone to price it. The TPU prices a gather by the
+    memory tiles it reads, one per index for an element-wise gather, which the module's text does not show."""
+    mod = parse_module(text)
+    blocks = _blocks(text)
+    out = {}
+    for comp in mod.computations.values():
+        for ins in comp.instrs:
+            if ins.opcode != "fusion" or not ins.called:
+                continue
+            name = ins.called[0][1]
+            if name in out or not any(i.opcode == "gather" for i in mod.computations[name].instrs):
+                continue
+            order: list[str] = []
+            todo = [name]
+            while todo:
+                for i in mod.computations[todo.pop()].instrs:
+                    for _, callee in i.called:
+                        if callee not in order and callee != name:
+                            order.append(callee)
+                            todo.append(callee)
+            body = "\n\n".join(_portable(blocks[c]) for c in reversed(order))
+            entry = "ENTRY " + _portable(blocks[name]).lstrip("%")
+            out[name] = f"HloModule gather_fusion\n\n{body}\n\n{entry}\n"
+    return out
+
+
+def _model_gather(ins: Instr, comp: Computation) -> float:
+    """A gather's bytes without a measurement: per gathered slice, the memory tiles it spans plus
+    :data:`GATHER_SLICE_BYTES` (single-gather programs on libtpu 0.0.21 cost within 10% of this)."""
+    sizes = _int_list(ins.attrs, "slice_sizes")
+    per_slice = 1
+    for s in sizes:
+        per_slice *= max(s, 1)
+    operand = _operand_shape(comp, *ins.operands[0])
+    return _elements(ins.shape) / per_slice * (_slice_tiles(operand, sizes) * _tile_bytes(operand) + GATHER_SLICE_BYTES)
+
+
+def _gathers(mod: Module, comp: Computation) -> float:
+    """Bytes of the gathers in ``comp`` and what it calls beyond their operands and outputs, by
+    :func:`_model_gather` (for a fusion the compiler did not price alone)."""
+    extra = 0.0
+    for ins in comp.instrs:
+        if ins.opcode == "gather" and len(ins.operands) > 1:
+            boundary = shape_bytes(ins.shape) + sum(shape_bytes(_operand_shape(comp, n, s)) for n, s in ins.operands)
+            extra += max(_model_gather(ins, comp) - boundary, 0.0)
+        for _, callee in ins.called:
+            extra += _gathers(mod, mod.computations[callee])
+    return extra
+
+
+def _fused_flops(mod: Module, comp: Computation) -> float:
+    total = 0.0
+    for ins in comp.instrs:
+        total += matmul_flops(ins, comp)
+        if ins.opcode == "fusion":
+            for _, callee in ins.called:
+                total += _fused_flops(mod, mod.computations[callee])
+    return total
+
+
+def instruction_bytes(ins: Instr, comp: Computation) -> float:
+    """HBM bytes of one top-level instruction, by the rules of the module docstring (gathers' extra not included)."""
+    op = ins.opcode
+    operands = [shape_bytes(_operand_shape(comp, n, s)) for n, s in ins.operands]
+    if op in SKIP_BYTES or op.endswith("-done") or op in CONTROL_FLOW:
+        return 0.0
+    if op.endswith("-start"):
+        shape = ins.shape.strip()
+        parts = _split_top(shape[1:-1]) if shape.startswith("(") else [shape]
+        result = shape_bytes(parts[1]) if len(parts) > 1 else shape_bytes(shape)
+        return 2.0 * result if op == "slice-start" else sum(operands) + result
+    if op in ("slice", "dynamic-slice"):
+        return 2.0 * shape_bytes(ins.shape) + sum(operands[1:])
+    if op == "dynamic-update-slice":
+        return 2.0 * (operands[1] if len(operands) > 1 else 0) + sum(operands[2:])
+    if op == "custom-call" and "AllocateBuffer" in ins.attrs:
+        return 0.0
+    if op == "reshape" and ins.operands:  # a relayout between tiled layouts: it reads and writes whole tiles
+        return float(tiled_bytes(_operand_shape(comp, *ins.operands[0])) + tiled_bytes(ins.shape))
+    return shape_bytes(ins.shape) + sum(operands)
+
+
+def metadata_key(ins: Instr, mod: Module) -> str:
+    """``"<op_name>|<source_file>:<line>"`` of an instruction; a fusion without metadata: of its root, else of its
+    first fused instruction that has some."""
+    meta = ins.metadata
+    if not meta.get("op_name") and ins.opcode == "fusion" and ins.called:
+        fused = mod.computations[ins.called[0][1]]
+        root = next((i for i in fused.instrs if i.is_root), None)
+        meta = root.metadata if root is not None and root.metadata.get("op_name") else next(
+            (i.metadata for i in fused.instrs if i.metadata.get("op_name")), {})
+    source = meta.get("source_file", "")
+    if source and "source_line" in meta:
+        source = f"{source}:{meta['source_line']}"
+    return f"{meta.get('op_name', '')}|{source}"
+
+
+def attribute(key: str, rules: list[tuple[str, str]] | None = None) -> str:
+    """The component of a metadata key (see :data:`RULES`); unmatched: ``other``, or ``backward (unattributed)`` for
+    an op autograd ran, ``other (no metadata)`` for one without any."""
+    backward = key.startswith("backward/")
+    if backward:
+        key = key[len("backward/"):]
+    for component, pattern in RULES if rules is None else rules:
+        if re.search(pattern, key):
+            return f"{component} (backward)" if backward else component
+    op_name, _, source = key.partition("|")
+    if backward or (not source and BACKWARD.search(op_name)):
+        return "backward (unattributed)"
+    return "other" if op_name or source else "other (no metadata)"
+
+
+def _loop_of(mod: Module) -> dict[str, str | None]:
+    """Computation -> the innermost While instruction whose body/condition runs it (None: the ENTRY's level)."""
+    owner: dict[str, str | None] = {mod.entry: None}
+    todo = [mod.entry]
+    while todo:
+        name = todo.pop()
+        for ins in mod.computations[name].instrs:
+            if ins.opcode not in CONTROL_FLOW:
+                continue
+            for key, callee in ins.called:
+                if callee in owner:
+                    continue
+                owner[callee] = ins.name if ins.opcode == "while" and key in ("body", "condition") else owner[name]
+                todo.append(callee)
+    return owner
+
+
+def _inherited_keys(mod: Module, comp: Computation) -> dict[str, str]:
+    """Metadata keys of ``comp``'s instructions; one without metadata (a copy, a slice or a prefetch the compiler
+    inserted) takes the key of its nearest user that has one, else of its nearest operand that has one."""
+    own = {ins.name: metadata_key(ins, mod) for ins in comp.instrs}
+    users: dict[str, list[str]] = {}
+    for ins in comp.instrs:
+        for operand, _ in ins.operands:
+            users.setdefault(operand, []).append(ins.name)
+    operands = {ins.name: [o for o, _ in ins.operands] for ins in comp.instrs}
+    out = dict(own)
+    for name, key in own.items():
+        if key != "|":
+            continue
+        for edges in (users, operands):
+            seen, frontier, found = {name}, [name], None
+            while frontier and found is None:
+                nxt = []
+                for n in frontier:
+                    for m in edges.get(n, []):
+                        if m in seen or m not in own:
+                            continue
+                        seen.add(m)
+                        if own[m] != "|":
+                            found = own[m]
+                            break
+                        nxt.append(m)
+                    if found is not None:
+                        break
+                frontier = nxt
+            if found is not None:
+                out[name] = found
+                break
+    return out
+
+
+def charges(mod: Module, rules: list[tuple[str, str]] | None = None,
+            fusion_bytes: dict[str, float] | None = None) -> list[Charge]:
+    """One :class:`Charge` per top-level instruction that moves bytes or does matmul FLOPs."""
+    control = _reach(mod, [mod.entry], control_only=True)
+    loop_of = _loop_of(mod)
+    out = []
+    for name in control:
+        comp = mod.computations[name]
+        keys = _inherited_keys(mod, comp)
+        for ins in comp.instrs:
+            nbytes = instruction_bytes(ins, comp)
+            flops = matmul_flops(ins, comp)
+            if ins.opcode == "fusion" or (ins.opcode.endswith("-start") and ins.called):
+                for _, callee in ins.called:
+                    priced = (fusion_bytes or {}).get(callee) if ins.opcode == "fusion" else None
+                    if priced is not None:  # the compiler's own bytes for this fusion, compiled alone
+                        nbytes = max(nbytes, priced)
+                    else:
+                        nbytes += _gathers(mod, mod.computations[callee])
+                    flops += _fused_flops(mod, mod.computations[callee])
+            elif ins.opcode == "gather":
+                nbytes += _gathers(mod, Computation("", False, [ins], comp.shapes))
+            if nbytes or flops:
+                out.append(Charge(attribute(keys[ins.name], rules), nbytes, flops, loop_of.get(name)))
+    return out
+
+
+def bytes_by_component(text: str, compiler_bytes: float | None = None, compiler_flops: float | None = None,
+                       images: int | None = None, rules: list[tuple[str, str]] | None = None,
+                       fusion_bytes: dict[str, float] | None = None) -> dict:
+    """The per-component table of a compiled module's text (per device, a While body once, as the compiler counts).
+
+    ``compiler_bytes``/``compiler_flops``: the cost analysis's totals, for ``vs_compiler``; ``images``: images per
+    device, for bytes per image; ``fusion_bytes``: the compiler's bytes of each :func:`gather_fusions` module compiled
+    alone (:func:`spmd_rfdetr.aot.tpu_compile.fusion_costs`), by fusion computation; a gather fusion without one
+    is priced by :func:`_model_gather`.
+    """
+    mod = parse_module(text)
+    table: dict[str, dict[str, float]] = {}
+    loops: dict[str, dict] = {}
+    for c in charges(mod, rules, fusion_bytes):
+        row = table.setdefault(c.component, {"bytes": 0.0, "flops": 0.0, "in_loops_bytes": 0.0})
+        row["bytes"] += c.bytes
+        row["flops"] += c.flops
+        if c.loop is not None:
+            row["in_loops_bytes"] += c.bytes
+            lp = loops.setdefault(c.loop, {"bytes_per_iteration": 0.0, "flops_per_iteration": 0.0, "components": {}})
+            lp["bytes_per_iteration"] += c.bytes
+            lp["flops_per_iteration"] += c.flops
+            lp["components"][c.component] = lp["components"].get(c.component, 0.0) + c.bytes
+    total_bytes = sum(r["bytes"] for r in table.values())
+    total_flops = sum(r["flops"] for r in table.values())
+    rows = []
+    for component, r in sorted(table.items(), key=lambda kv: -kv[1]["bytes"]):
+        row = {"component": component, "bytes": round(r["bytes"]), "share": round(r["bytes"] / total_bytes, 4)
+               if total_bytes else 0.0, "matmul_flops": round(r["flops"]), "in_loops_bytes": round(r["in_loops_bytes"])}
+        if images:
+            row["bytes_per_image"] = round(r["bytes"] / images)
+        rows.append(row)
+    for lp in loops.values():
+        lp["components"] = {k: round(v) for k, v in sorted(lp["components"].items(), key=lambda kv: -kv[1])}
+        lp["bytes_per_iteration"] = round(lp["bytes_per_iteration"])
+        lp["flops_per_iteration"] = round(lp["flops_per_iteration"])
+    out = {"components": rows, "total_bytes": round(total_bytes), "matmul_flops": round(total_flops),
+           "loops": loops, "gather_fusions_priced_alone": len(fusion_bytes or {})}
+    if compiler_bytes:
+        out["compiler_bytes"] = compiler_bytes
+        out["vs_compiler"] = round(total_bytes / compiler_bytes - 1, 4)
+    if compiler_flops:
+        out["matmul_share_of_compiler_flops"] = round(total_flops / compiler_flops, 4)
+    return out
+
+
+def format_table(name: str, table: dict, out_lines: list[str] | None = None) -> str:
+    """The table as text: component, GB per step (per device), share, bytes per image, matmul GFLOP."""
+    lines = out_lines if out_lines is not None else []
+    head = ["component", "GB/step", "share", "bytes/image", "GFLOP (matmul)", "in loops GB"]
+    rows = [head]
+    for r in table["components"]:
+        rows.append([r["component"], f"{r['bytes'] / 1e9:.3f}", f"{r['share']:.1%}",
+                     f"{r['bytes_per_image']:.3g}" if "bytes_per_image" in r else "-",
+                     f"{r['matmul_flops'] / 1e9:.1f}", f"{r['in_loops_bytes'] / 1e9:.3f}"])
+    rows.append(["total", f"{table['total_bytes'] / 1e9:.3f}", "100%", "", f"{table['matmul_flops'] / 1e9:.1f}", ""])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines.append(f"{name}: bytes by component (per device per step, a While body once)")
+    for row in rows:
+        lines.append("  " + "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+    if "vs_compiler" in table:
+        lines.append(f"  sum {table['total_bytes']:.4g} bytes vs the compiler's {table['compiler_bytes']:.4g}: "
+                     f"{table['vs_compiler']:+.1%}")
+    for lname, lp in sorted(table["loops"].items(), key=lambda kv: -kv[1]["bytes_per_iteration"]):
+        top = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in list(lp["components"].items())[:2])
+        lines.append(f"  loop {lname}: {lp['bytes_per_iteration'] / 1e6:.2f} MB and "
+                     f"{lp['flops_per_iteration'] / 1e6:.2f} MFLOP per iteration ({top})")
+    return "\n".join(lines)

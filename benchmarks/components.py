@@ -18,7 +18,8 @@ import re
 import sys
 from pathlib import Path
 
-from spmd_rfdetr.aot.components import bytes_by_component, format_table, gather_fusions
+from spmd_rfdetr.aot.components import bytes_by_component, format_table
+from spmd_rfdetr.aot.op_costs import gather_fusions
 from spmd_rfdetr.aot.tpu_compile import build_topology, fusion_costs
 
 

@@ -406,7 +406,8 @@ def test_bytes_by_component_attributes_and_sums() -> None:
 
 def test_gather_fusion_priced_by_the_compiler() -> None:
     """A gather fusion the compiler priced alone (tpu_compile.fusion_costs) is charged that, not the model."""
-    from spmd_rfdetr.aot.components import bytes_by_component, gather_fusions
+    from spmd_rfdetr.aot.components import bytes_by_component
+    from spmd_rfdetr.aot.op_costs import gather_fusions
 
     modules = gather_fusions(STEP)
     assert list(modules) == ["fused_rows"]

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from spmd_rfdetr.aot import chips as chips_mod
-from spmd_rfdetr.aot.components import bytes_by_component, format_table, gather_fusions
+from spmd_rfdetr.aot.components import bytes_by_component, format_table
+from spmd_rfdetr.aot.op_costs import gather_fusions
 from spmd_rfdetr.aot.hlo_report import parse_oom, report
 
 #: libtpu probes for TPU hardware and a metadata server unless told it is elsewhere (no effect on the compile); the
@@ -151,7 +152,7 @@ def _cost(exe) -> dict[str, float]:
 
 
 def fusion_costs(modules: dict[str, str], devices: list) -> dict[str, float]:
-    """The cost analysis's bytes of each module of :func:`~spmd_rfdetr.aot.components.gather_fusions` compiled alone
+    """The cost analysis's bytes of each module of :func:`~spmd_rfdetr.aot.op_costs.gather_fusions` compiled alone
     for one device of the topology (identical modules once). One that does not compile is left out."""
     from jax._src.lib import _jax
     from jax._src.lib import xla_client as xc

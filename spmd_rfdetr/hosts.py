@@ -15,8 +15,8 @@ rows of every global batch, train and eval alike (the same global batches as on 
 torch_xla builds the global array from the hosts' slices (``ShardingSpec(minibatch=True)``). In evaluation
 (``EvalBatches``) the image ids are every host's, gathered over gloo in host order and put in the global array's row
 order (:func:`global_row_order`: on slices whose devices are numbered by chip coordinates a host's rows are not one
-run), so padding rows (id -1) are dropped the same way on every host. The hosts compare their number of usable train images before anything compiles and stop
-with one message if they differ. A SIGTERM reaching any host stops every host after the same step, with one
+run), so padding rows (id -1) are dropped the same way on every host. The hosts compare their number of usable train
+images (and of eval images) before anything compiles and stop with one message if they differ. A SIGTERM reaching any host stops every host after the same step, with one
 checkpoint: written by all hosts (each its own shards), then published by host 0's rename after a barrier. Host 0
 alone writes ``metrics.jsonl``, the logger files, ``config.yaml``, ``last.pth``/``best.pth`` (every host builds the
 CPU state dict, so a gather runs on all of them), the eval files, ``predict``'s output, and new entries of a shared
@@ -38,7 +38,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol

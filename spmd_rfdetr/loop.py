@@ -80,7 +80,7 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
     if resume_from:  # the checkpoint holds every weight: the starting weights are neither fetched nor loaded
         log.info("resuming from %s: model.pretrain_weights is not read", resume_from)
     else:
-        fetch_pretrain_weights(cfg.model)  # on disk (downloaded now if published) or one ConfigError, before any compile
+        fetch_pretrain_weights(cfg.model)  # on disk (downloaded now if published) or a ConfigError, before compiles
     check_start = time.perf_counter()
     data_report = check_data(cfg)  # every data problem at once, before anything is built or compiled (DataError)
     check_s = time.perf_counter() - check_start

@@ -1,11 +1,11 @@
 """Long runs: the data order as a function of the step, and a real preempted run resumed exactly.
 
 conftest's ``preempted_run`` trains the loop fit's config (``loop_run``: the loop model, 24 steps, EMA on) in three
-real ``fit`` processes: stopped by a real SIGTERM at an evaluation step, resumed and killed with SIGKILL inside a checkpoint save, resumed
-again to the end. Nothing is lost or done twice, and the steps after each resume equal the straight in-process run's (later ones
-drift apart with the CPU client's own ulp differences: :data:`AFTER_RESUME`); its evaluations (in epochs, with early
-stopping counting) go on where each process left them. The NaN test stops an in-process fit
-with a real SIGTERM of its own (conftest's ``sigterm_after``).
+real ``fit`` processes: stopped by a real SIGTERM at an evaluation step, resumed (without its starting weights) and
+killed with SIGKILL inside a checkpoint save, resumed again to the end. Nothing is lost or done twice, and the steps
+after each resume equal the straight in-process run's (later ones drift apart with the CPU client's own ulp
+differences: :data:`AFTER_RESUME`); its evaluations (in epochs, with early stopping counting) go on where each process
+left them. The NaN test stops an in-process fit with a real SIGTERM of its own (conftest's ``sigterm_after``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ as its text shows them (libtpu 0.0.21; each rule checked on one-op programs comp
 - a fusion that holds a gather: what the compiler charges that fusion compiled alone
   (:func:`gather_fusions`, priced by ``tpu_compile.fusion_costs``): the TPU prices a gather by the memory tiles it
   reads (one per index for an element-wise gather, some 4.6 KB for an f32 value), which the text does not show;
-  without that price, :func:`~spmd_rfdetr.aot.op_costs.instruction_bytes` models it (tiles per slice + ``GATHER_SLICE_BYTES``).
+  without that price, :func:`~spmd_rfdetr.aot.op_costs.instruction_bytes` models it (tiles per slice +
+  ``GATHER_SLICE_BYTES``).
 
 libtpu's ``bytes accessed`` is the same kind of sum (a While body once, whatever its trip count); its
 per-instruction figures are not exported, so the sum differs from it: ``vs_compiler`` says by how much (v5e.yaml on

@@ -16,6 +16,10 @@ if it lands on upstream's trainer, it is our step. Step 1's loss must equal the 
 batch): the script prints both.
 
     python benchmarks/same_batches.py --run /tmp/compare/ours-42 --out /tmp/same/42
+    python benchmarks/same_batches.py --collect /tmp/same --into benchmarks/results/<comparison>.json
+
+``--collect`` adds every finished arm under ``DIR`` to a ``convergence.py --compare upstream`` JSON: per seed its
+final scores (``runs.same_batches``), its mean/std/min/max (``summary.same_batches``) and its gap to ours per seed.
 """
 
 from __future__ import annotations
@@ -32,8 +36,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def train_on_run_batches(run: Path, out: Path) -> dict:
-    """Upstream's step on ``run``'s batches from ``run``'s initial weights; returns the losses and the EMA file."""
+def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_kind: str = "upstream") -> dict:
+    """Upstream's step on ``run``'s batches from ``run``'s initial weights; returns the losses and the EMA file.
+    ``perturb``: every initial weight times ``1 + perturb * N(0, 1)`` (a control: how far two runs of the same step
+    on the same batches part when they start a rounding error apart). ``criterion_kind="ours"``: our batched
+    criterion and device matcher (``StaticSetCriterion``, eagerly on the CPU) instead of rfdetr's ``SetCriterion``:
+    the one part swapped."""
     import torch
     from lightning_fabric.utilities.seed import seed_everything
     from rfdetr.training.callbacks.ema import RFDETREMACallback
@@ -51,7 +59,17 @@ def train_on_run_batches(run: Path, out: Path) -> dict:
                             cfg.eval.num_select)
     train_set = build_split(cfgs, "train")
     net = build_model(cfgs).train()
+    if perturb:
+        noise = torch.Generator().manual_seed(12345)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.mul_(1 + perturb * torch.randn(p.shape, generator=noise))
     criterion = build_upstream_criterion(cfgs)[0].train()
+    if criterion_kind == "ours":
+        from spmd_rfdetr.loss import build_criterion
+        from spmd_rfdetr.step import forward_loss
+
+        criterion = build_criterion(criterion, solver="device").train()
     optimizer = build_optimizer(net, cfgs)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, functools.partial(lr_factor, optim=o, max_steps=t.max_steps))
@@ -63,10 +81,13 @@ def train_on_run_batches(run: Path, out: Path) -> dict:
         batch = next(batches)
         targets = [{"labels": labels[keep], "boxes": boxes[keep]}
                    for labels, boxes, keep in zip(batch["labels"], batch["boxes"], batch["valid"])]
-        samples = nested_tensor_from_tensor_list(list(upstream_float(batch["images"])))
         optimizer.zero_grad(set_to_none=True)
-        loss_dict = criterion(net(samples, targets), targets)
-        loss = torch.stack([loss_dict[k] * w for k, w in criterion.weight_dict.items() if k in loss_dict]).sum()
+        if criterion_kind == "ours":
+            loss, _ = forward_loss(net, criterion, batch)
+        else:
+            samples = nested_tensor_from_tensor_list(list(upstream_float(batch["images"])))
+            loss_dict = criterion(net(samples, targets), targets)
+            loss = torch.stack([loss_dict[k] * w for k, w in criterion.weight_dict.items() if k in loss_dict]).sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), o.clip_max_norm)
         optimizer.step()
@@ -82,16 +103,47 @@ def train_on_run_batches(run: Path, out: Path) -> dict:
     return {"losses": losses, "weights": str(weights)}
 
 
+def collect(arms: Path, into: Path) -> None:
+    """Every finished arm under ``arms`` into the comparison JSON ``into`` (matched to ours by seed)."""
+    from convergence import _mean_spread
+
+    payload = json.loads(into.read_text())
+    ours = {r["seed"]: r["final"]["mAP"] for r in payload["runs"]["ours"]}
+    found = [json.loads(f.read_text()) for f in sorted(arms.glob("*/result.json"))]
+    import yaml
+
+    runs = [{"seed": yaml.safe_load((Path(r["run"]) / "config.yaml").read_text())["trainer"]["seed"],
+             "final": r["final"], "step1_loss": r["losses"][0], "run_step1_loss": r["run_losses"].get("1")}
+            for r in found]
+    runs.sort(key=lambda r: payload["seeds"].index(r["seed"]))
+    payload["runs"]["same_batches"] = runs
+    payload["summary"]["same_batches"] = _mean_spread([r["final"]["mAP"] for r in runs])
+    payload["gap_ours_minus_same_batches_per_seed"] = {r["seed"]: ours[r["seed"]] - r["final"]["mAP"] for r in runs}
+    payload["same_batches"] = ("upstream's step (eager CPU: its model, SetCriterion, AdamW over get_param_dict, "
+                               "clip_grad_norm_, our LR factor as LambdaLR, RFDETREMACallback) on each of our runs' "
+                               "own batches from its own initial weights: benchmarks/same_batches.py")
+    into.write_text(json.dumps(payload, indent=1))
+    print(f"{len(runs)} arms into {into}: {payload['summary']['same_batches']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", type=Path, required=True, help="a finished fit run dir (config.yaml, metrics.jsonl)")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--run", type=Path, help="a finished fit run dir (config.yaml, metrics.jsonl)")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--perturb", type=float, default=0.0, help="initial weights times 1 + PERTURB * N(0, 1) (control)")
+    p.add_argument("--criterion", choices=("upstream", "ours"), default="upstream",
+                   help="ours: our batched criterion and device matcher, eagerly on the CPU (the one part swapped)")
+    p.add_argument("--collect", type=Path, help="a dir of finished arms (each --out)")
+    p.add_argument("--into", type=Path, help="with --collect: the comparison JSON to add them to")
     args = p.parse_args(argv)
+    if args.collect:
+        collect(args.collect, args.into)
+        return 0
     from convergence import upstream_eager_stats
 
     from spmd_rfdetr.coco import stat_names
 
-    result = train_on_run_batches(args.run, args.out)
+    result = train_on_run_batches(args.run, args.out, args.perturb, args.criterion)
     records = [json.loads(line) for line in (args.run / "metrics.jsonl").read_text().splitlines()]
     ours = {r["step"]: r["loss"] for r in records if "loss" in r}
     print(f"step 1 loss: this arm {result['losses'][0]:.6f}, the run's {ours.get(1)}")

@@ -57,7 +57,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_matching import detr_costs
 
-    from spmd_rfdetr.matching import solve_assignment_with_stats
+    from spmd_rfdetr.model.matching import solve_assignment_with_stats
 
     torch.set_num_threads(1)
     device = torch_xla.device()

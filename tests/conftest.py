@@ -83,8 +83,8 @@ import pytest  # noqa: E402
 import yaml  # noqa: E402
 
 from jobs import JOBS, Background, JobInputs, job_fixture, jobs_of  # noqa: E402
-from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions, RunConfig, TrainerOptions  # noqa: E402
-from spmd_rfdetr.loop import SIGTERM_AT_STEP_ENV  # noqa: E402
+from spmd_rfdetr.config.options import DataOptions, ModelOptions, OptimOptions, RunConfig, TrainerOptions  # noqa: E402
+from spmd_rfdetr.training.loop import SIGTERM_AT_STEP_ENV  # noqa: E402
 
 # The one tiny RF-DETR every in-process test compiles (graphs are shared within the process: keep shapes identical).
 #: From scratch (``pretrain_weights=None``, as every model the suite builds): the suite downloads nothing.
@@ -171,7 +171,7 @@ def _return_freed_memory() -> Any:
 @pytest.fixture(scope="session")
 def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A real synthetic COCO dataset on disk (Roboflow layout), shared by the session."""
-    from spmd_rfdetr.synth import synth
+    from spmd_rfdetr.data.synth import synth
 
     return str(synth(str(tmp_path_factory.mktemp("data") / "synth"), train_images=32, valid_images=40, test_images=4))
 
@@ -188,7 +188,7 @@ class Tiny:
 
     def model(self) -> torch.nn.Module:
         """A fresh CPU copy of the tiny model at its initial weights."""
-        from spmd_rfdetr.model import build_model
+        from spmd_rfdetr.model.upstream import build_model
 
         net = build_model(self.cfgs)
         net.load_state_dict(self.init_state)
@@ -197,8 +197,8 @@ class Tiny:
 
 def make_tiny(model: ModelOptions, synth_dir: str) -> Tiny:
     """:class:`Tiny` for ``model``: batches of the valid split (deterministic transforms), weights of seed 0."""
-    from spmd_rfdetr.data import StaticCollate, build_split
-    from spmd_rfdetr.model import build_model, upstream_configs
+    from spmd_rfdetr.data.batches import StaticCollate, build_split
+    from spmd_rfdetr.model.upstream import build_model, upstream_configs
 
     data = DataOptions(dataset_dir=synth_dir, global_batch_size=TINY_BATCH, max_targets=TINY_MAX_TARGETS, num_workers=0)
     optim = OptimOptions(schedule="constant", warmup_steps=0)
@@ -239,9 +239,9 @@ class MeshTrainer:
 
 @pytest.fixture(scope="session")
 def mesh_trainer(tiny: Tiny) -> MeshTrainer:
-    from spmd_rfdetr.build import build_trainer
-    from spmd_rfdetr.fabric import spmd_fabric
-    from spmd_rfdetr.mesh import build_mesh
+    from spmd_rfdetr.training.build import build_trainer
+    from spmd_rfdetr.xla.fabric import spmd_fabric
+    from spmd_rfdetr.xla.mesh import build_mesh
 
     fabric = spmd_fabric(build_mesh(), precision="32-true")
     net = tiny.model()
@@ -280,7 +280,7 @@ def first_steps(tiny: Tiny, mesh_trainer: MeshTrainer) -> FirstSteps:
     initial weights: its programs are the session trainer's (the same graphs), so this costs steps, not compiles."""
     import gc
 
-    from spmd_rfdetr.build import build_trainer
+    from spmd_rfdetr.training.build import build_trainer
 
     trainer = build_trainer(mesh_trainer.fabric, tiny.cfgs, tiny.cfg.optim, tiny.cfg.trainer, model=tiny.model(),
                             ema=tiny.cfg.model)
@@ -329,7 +329,7 @@ def loop_config(tiny: Tiny, synth_dir: str, base: Any, step_mode: str) -> RunCon
 def fit_run(tiny: Tiny, synth_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``fit`` on the mesh in the default step mode (replay); its output directory (metrics, checkpoints, evals).
     In this process, not a background job: the jobs are the longer half of the suite already."""
-    from spmd_rfdetr import loop
+    from spmd_rfdetr.training import loop
 
     cfg = fit_config(tiny, synth_dir, tmp_path_factory.mktemp("fit"), "replay")
     loop.fit(cfg)
@@ -339,7 +339,7 @@ def fit_run(tiny: Tiny, synth_dir: str, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="session")
 def loop_run(tiny: Tiny, synth_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``fit`` of :func:`loop_config` on the mesh (replay): the straight run the loop tests compare with."""
-    from spmd_rfdetr import loop
+    from spmd_rfdetr.training import loop
 
     cfg = loop_config(tiny, synth_dir, tmp_path_factory.mktemp("loop"), "replay")
     loop.fit(cfg)

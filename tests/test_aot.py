@@ -39,7 +39,7 @@ LARGE_BATCH = 8
 
 def tiny_config(per_device: int | None = None, devices: int = 4):
     """``configs/cpu.yaml`` (3 classes, no dataset needed) on ``devices`` virtual devices."""
-    from spmd_rfdetr.config import RunConfig
+    from spmd_rfdetr.config.options import RunConfig
 
     cfg = RunConfig()
     for section, fields in yaml.safe_load(CONFIG.read_text()).items():
@@ -69,7 +69,7 @@ def single_chip(inputs: JobInputs, out: Path) -> dict:
     """The tiny config's training step (global batch :data:`BATCH`) traced on one device, compiled for v5e:1x1, as the
     verb does it (its trace and compile children)."""
     from spmd_rfdetr.aot.check import _run
-    from spmd_rfdetr.resolve import resolve_and_check
+    from spmd_rfdetr.config.resolve import resolve_and_check
 
     cfg = tiny_config(devices=1)
     resolve_and_check(cfg, 1)
@@ -80,7 +80,7 @@ def single_chip(inputs: JobInputs, out: Path) -> dict:
 def large_batch_trace(inputs: JobInputs, out: Path) -> dict:
     """The tiny config's training step as traced for the compiler (not compiled) at :data:`LARGE_BATCH` per chip."""
     from spmd_rfdetr.aot.check import trace
-    from spmd_rfdetr.resolve import resolve_and_check
+    from spmd_rfdetr.config.resolve import resolve_and_check
 
     cfg = tiny_config(per_device=LARGE_BATCH)
     resolve_and_check(cfg, 4)
@@ -150,8 +150,8 @@ def test_a_program_that_does_not_fit_is_exit_2_with_the_compilers_numbers(tmp_pa
     import torch_xla.distributed.spmd as xs
 
     from spmd_rfdetr.aot.check import DoesNotFit, compile_traced, does_not_fit
-    from spmd_rfdetr.mesh import build_mesh
-    from spmd_rfdetr.replay import lower
+    from spmd_rfdetr.xla.mesh import build_mesh
+    from spmd_rfdetr.xla.replay import lower
 
     mesh, device = build_mesh(), torch_xla.device()
     weight = torch.randn(1024, 1024).to(device)

@@ -16,7 +16,7 @@ import torch.nn.functional as F  # noqa: N812
 from rfdetr.utilities.box_ops import box_cxcywh_to_xyxy, generalized_box_iou
 from scipy.optimize import linear_sum_assignment
 
-from spmd_rfdetr.matching import sanitize_cost, solve_assignment, solve_assignment_with_stats
+from spmd_rfdetr.model.matching import sanitize_cost, solve_assignment, solve_assignment_with_stats
 
 # rfdetr's default matcher weights (set_cost_class / set_cost_bbox / set_cost_giou) and focal alpha.
 COST_CLASS, COST_BBOX, COST_GIOU, FOCAL_ALPHA = 2.0, 5.0, 2.0, 0.25

@@ -1,7 +1,7 @@
 """``trainer.compile_backend=openxla``: torch.compile training under SPMD, exact with spmd_rfdetr's bridge fix.
 
 torch_xla 2.9's dynamo bridge gives stale weight gradients under SPMD (pytorch/xla#4824; root cause in
-:mod:`spmd_rfdetr.openxla_fix`). The first test keeps showing the bug without the fix (it fails when torch_xla fixes it
+:mod:`spmd_rfdetr.xla.openxla_fix`). The first test keeps showing the bug without the fix (it fails when torch_xla fixes it
 upstream: then the fix can go) and shows the fix exact against eager; the second trains RF-DETR through the real CLI.
 """
 
@@ -19,7 +19,7 @@ import yaml
 
 from conftest import parity_tolerance, read_metrics
 from jobs import JobInputs, job_fixture
-from spmd_rfdetr.openxla_fix import apply_bridge_fix
+from spmd_rfdetr.xla.openxla_fix import apply_bridge_fix
 
 ROOT = Path(__file__).resolve().parents[1]
 OPENXLA_STEPS = 5
@@ -73,7 +73,7 @@ def test_openxla_training_is_wrong_without_the_fix_and_exact_with_it(mesh_traine
 @job_fixture
 def openxla_fit(inputs: JobInputs, out: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
     """The CLI's ``fit`` of the loop fit's config with compile_backend=openxla, a NaN batch at the last step."""
-    from spmd_rfdetr.loader import NAN_BATCH_ENV
+    from spmd_rfdetr.xla.loader import NAN_BATCH_ENV
 
     cfg = yaml.safe_load(inputs.loop_config.read_text())
     cfg["trainer"].update(compile_backend="openxla", max_steps=OPENXLA_STEPS + 1, on_nonfinite="skip_step",

@@ -57,7 +57,7 @@ def upstream_eager_stats(checkpoint: Path, split: str, weights: Path | None = No
     from spmd_rfdetr.config.options import DataOptions, ModelOptions, OptimOptions
     from spmd_rfdetr.data.batches import upstream_split
     from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
-    from spmd_rfdetr.training.step import as_samples
+    from spmd_rfdetr.model.inputs import as_samples
 
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)
     c = state["config"]
@@ -100,7 +100,7 @@ NOT_MATCHED = [
 def upstream_train_kwargs(cfg: Any, epochs: int, steps_per_epoch: int, eval_epochs: int, seed: int,
                           output_dir: Path, match_lr: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """rfdetr's ``RFDETR<Variant>(**model)`` and ``.train(**train)`` arguments for our ``RunConfig`` ``cfg``;
-    ``match_lr``: upstream gets our exact LR factor per optimizer step (:func:`spmd_rfdetr.model.upstream.lr_factor`, warm-up
+    ``match_lr``: upstream gets our exact LR factor per optimizer step (:func:`spmd_rfdetr.training.optim.lr_factor`, warm-up
     included) as a ``LambdaLR`` through its ``lr_scheduler`` hook, instead of its own managed schedule."""
     m, d, o = cfg.model, cfg.data, cfg.optim
     if o.schedule not in ("cosine", "step") or o.accumulate != 1 or d.multi_scale:
@@ -129,7 +129,7 @@ def upstream_train_kwargs(cfg: Any, epochs: int, steps_per_epoch: int, eval_epoc
 
         import torch
 
-        from spmd_rfdetr.model.upstream import lr_factor
+        from spmd_rfdetr.training.optim import lr_factor
 
         factor = functools.partial(lr_factor, optim=o, max_steps=epochs * steps_per_epoch)
         train.update(lr_scheduler=functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=factor),

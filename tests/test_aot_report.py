@@ -435,7 +435,7 @@ def test_gather_fusion_priced_by_the_compiler() -> None:
     ("clip/aten__norm|/x/torch/nn/utils/clip_grad.py:40", "gradient clipping"),
     ("aten__lerp|/work/spmd_rfdetr/training/ema.py:50", "EMA"),
     ("aten__where|/work/spmd_rfdetr/training/step.py:248", "non-finite guard"),
-    ("aten__mul|/work/spmd_rfdetr/model/upstream.py:210", "LR schedule"),
+    ("aten__mul|/work/spmd_rfdetr/training/optim.py:70", "LR schedule"),
     ("aten__topk|/x/rfdetr/models/postprocess.py:138", "eval post-processing"),
     ("aten__native_batch_norm_backward|", "backward (unattributed)"),
     ("aten__mul|/x/somewhere_else.py:1", "other"),

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from spmd_rfdetr.xla import openxla_fix
+from spmd_rfdetr.config import resolve as openxla_fix  # the openxla fix's version check, fix_available, lives here
 from spmd_rfdetr.config import resolve
 from spmd_rfdetr.config.options import ConfigError, DataOptions, RunConfig
 from spmd_rfdetr.config.resolve import resolve_and_check

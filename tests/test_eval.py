@@ -20,7 +20,7 @@ import torch_xla.debug.metrics as met
 
 from spmd_rfdetr.eval import evaluator as ev
 from spmd_rfdetr.eval.coco import BOXES, SCORE
-from spmd_rfdetr.training.step import as_samples
+from spmd_rfdetr.model.inputs import as_samples
 
 from conftest import EVAL_EVERY, read_metrics  # tests/ is on sys.path (rootdir conftest, no __init__.py)
 

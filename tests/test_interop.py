@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from spmd_rfdetr.config.options import DataOptions, MeshOptions, ModelOptions, OptimOptions, RunConfig
-from spmd_rfdetr.training.step import as_samples
+from spmd_rfdetr.model.inputs import as_samples
 from spmd_rfdetr.model.weights import inference_config, read_weights
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -199,7 +199,7 @@ def test_seg_step_on_the_mesh_equals_upstream_and_replays(mesh_trainer: Any) -> 
 
     from conftest import parity_tolerance
 
-    from spmd_rfdetr.model.upstream import build_optimizer
+    from spmd_rfdetr.training.optim import build_optimizer
 
     model, optim, cfgs = seg_tiny()
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ import torch_xla.distributed.spmd as xs
 from conftest import EVAL_EVERY, FIT_WARMUP, LOOP_STEPS, loop_config, read_metrics, sigterm_after
 from spmd_rfdetr.config.options import OptimOptions
 from spmd_rfdetr.training.metrics import xla_counters
-from spmd_rfdetr.model.upstream import DeviceLRSchedule, lr_factor
+from spmd_rfdetr.training.optim import DeviceLRSchedule, lr_factor
 from spmd_rfdetr.xla.replay import Replayer, ReplayUnsafe
 from spmd_rfdetr.training.step import TrainStep
 

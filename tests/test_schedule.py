@@ -2,7 +2,7 @@
 
 rfdetr 1.11.2's managed schedule is a ``LambdaLR``: linear warm-up ``s / w`` (0 at the first step), then cosine to
 ``min_factor`` (default 0.0) or a 10x drop after ``lr_drop`` epochs (default 100); its default preset is ``step``.
-Ours (:func:`spmd_rfdetr.model.upstream.lr_factor`, computed on the device by :class:`DeviceLRSchedule`) keeps its cosine and
+Ours (:func:`spmd_rfdetr.training.optim.lr_factor`, computed on the device by :class:`DeviceLRSchedule`) keeps its cosine and
 step formulas, and deliberately differs in: the warm-up ``(s + 1) / (w + 1)`` (never 0), the defaults (cosine,
 ``min_lr_factor`` 0.05), the drop step counted in steps, and a ``constant`` kind (rfdetr has none). Each test below
 pins one agreement or one difference.
@@ -19,7 +19,7 @@ from rfdetr.config import _MANAGED_SCHEDULER_DEFAULTS, TrainConfig
 from rfdetr.training.module_model import _build_managed_scheduler
 
 from spmd_rfdetr.config.options import OptimOptions
-from spmd_rfdetr.model.upstream import DeviceLRSchedule, lr_factor
+from spmd_rfdetr.training.optim import DeviceLRSchedule, lr_factor
 
 F32 = 1e-6  # the device schedule computes in float32
 

@@ -164,7 +164,7 @@ def test_segm_map_equals_upstream_eager_eval_of_last_pth(seg_run: SegRun) -> Non
     from spmd_rfdetr.config.options import RunConfig
     from spmd_rfdetr.data.batches import upstream_split
     from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
-    from spmd_rfdetr.training.step import as_samples
+    from spmd_rfdetr.model.inputs import as_samples
     from spmd_rfdetr.model.weights import inference_config, read_weights
 
     record = final_record(seg_run)
@@ -235,7 +235,7 @@ def test_export_onnx_of_a_seg_model_runs_like_the_eager_model(seg_run: SegRun, t
     from spmd_rfdetr.cli import main
     from spmd_rfdetr.config.options import RunConfig
     from spmd_rfdetr.model.upstream import build_model, upstream_configs
-    from spmd_rfdetr.training.step import as_samples
+    from spmd_rfdetr.model.inputs import as_samples
     from spmd_rfdetr.model.weights import inference_config, read_weights
 
     final_record(seg_run)

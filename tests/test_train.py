@@ -15,7 +15,8 @@ from conftest import FIRST_STEPS, parity_tolerance
 from jobs import JobInputs, job_fixture
 
 from spmd_rfdetr.training.metrics import aten_fallbacks, xla_counters
-from spmd_rfdetr.model.upstream import build_optimizer, build_upstream_criterion
+from spmd_rfdetr.model.upstream import build_upstream_criterion
+from spmd_rfdetr.training.optim import build_optimizer
 
 
 

@@ -144,7 +144,7 @@ def test_num_select_defaults_to_rfdetrs_lowered_to_the_logits_the_model_outputs(
     value, and so do rfdetr's checkpoint entries (tests/test_interop.py)."""
     from spmd_rfdetr.eval.evaluator import eval_sizes
     from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
-    from spmd_rfdetr.training.step import as_samples
+    from spmd_rfdetr.model.inputs import as_samples
 
     full = upstream_configs(ModelOptions(pretrain_weights=None), DataOptions(), OptimOptions(), 90)
     assert full.model.num_select == rfdetr.config.RFDETRNanoConfig().num_select == 300

@@ -153,10 +153,12 @@ def child_upstream(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch_xla
 
-    from spmd_rfdetr.data.batches import targets_list, upstream_float
+    from spmd_rfdetr.data.batches import upstream_float
+    from spmd_rfdetr.model.inputs import targets_list
     from spmd_rfdetr.model.loss import total_loss
-    from spmd_rfdetr.model.upstream import build_model, build_optimizer, build_upstream_criterion, upstream_configs
-    from spmd_rfdetr.training.step import as_samples
+    from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
+    from spmd_rfdetr.training.optim import build_optimizer
+    from spmd_rfdetr.model.inputs import as_samples
 
     m, d = cfg.model, cfg.data
     device = torch_xla.device()

@@ -66,7 +66,7 @@ RULES: list[tuple[str, str]] = [
     ("EMA", r"^ema/|spmd_rfdetr/training/ema\.py"),
     ("AdamW", r"^adamw/|torch/optim/(adamw?|optimizer)\.py"),
     ("gradient clipping", r"^clip/|torch/nn/utils/clip_grad\.py"),
-    ("LR schedule", r"^lr_schedule/|torch/optim/lr_scheduler\.py|spmd_rfdetr/model/upstream\.py"),
+    ("LR schedule", r"^lr_schedule/|torch/optim/lr_scheduler\.py|spmd_rfdetr/training/optim\.py"),
     ("non-finite guard", r"^nonfinite_guard/|spmd_rfdetr/training/step\.py"),
     ("matcher: cost", r"^matcher\.(cost|mask_cost)/|rfdetr/models/matcher\.py"),
     # the criterion, by loss: masks by scope, GIoU and L1 by the line inside them (rfdetr's box_ops, F.l1_loss)

@@ -6,11 +6,21 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from importlib.metadata import version
 
 from spmd_rfdetr.config.options import (AUTO_WEIGHTS, ConfigError, ModelOptions, RunConfig, is_segmentation, logit_count,
                                 published_weights, resolved_weights, variant_defaults)
 
 _warned: set[str] = set()  # warnings resolve_and_check has given in this process (each is given once)
+
+
+#: The torch_xla versions :mod:`spmd_rfdetr.xla.openxla_fix` was verified on (``trainer.compile_backend=openxla``).
+VERIFIED_TORCH_XLA = ("2.9.0",)
+
+
+def fix_available() -> bool:
+    """Whether this torch_xla is one the openxla bridge fix was verified on (reads the version without importing it)."""
+    return version("torch_xla").split("+")[0] in VERIFIED_TORCH_XLA
 
 
 def _warn_once(message: str) -> None:
@@ -143,8 +153,6 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
                 f"micro-batches over the {_batch_axes(cfg, device_count)}: use a multiple of {step}"
             )
     if t.compile_backend == "openxla":
-        from spmd_rfdetr.xla.openxla_fix import VERIFIED_TORCH_XLA, fix_available
-
         if not fix_available():
             problems.append(OPENXLA_TRAINING_REFUSED.format(verified=", ".join(VERIFIED_TORCH_XLA)))
         if t.matcher != "device":

@@ -406,10 +406,3 @@ def make_train_loader(
     return DataLoader(SeededSamples(dataset, seed), batch_sampler=batches, num_workers=worker_count(data.num_workers),
                       collate_fn=StaticCollate(data.max_targets, resolution, float_pixels))
 
-
-def targets_list(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """rfdetr's list-of-dicts targets view of a static batch (per-image slices: still fixed shapes)."""
-    return [
-        {"boxes": batch["boxes"][i], "labels": batch["labels"][i], "valid": batch["valid"][i]}
-        for i in range(batch["boxes"].shape[0])
-    ]

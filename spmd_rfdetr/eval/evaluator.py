@@ -112,7 +112,7 @@ class EvalForward:
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         from spmd_rfdetr.data.batches import normalize_images
         from spmd_rfdetr.xla.mesh import take_rows  # imports torch_xla: inference chooses the device first
-        from spmd_rfdetr.training.step import as_samples
+        from spmd_rfdetr.model.inputs import as_samples
 
         samples = as_samples(normalize_images(images))  # uint8 pixels -> rfdetr's normalised float32 input
         with self.autocast():

@@ -39,6 +39,7 @@ from rfdetr.utilities.box_ops import (
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
+from spmd_rfdetr.model.inputs import targets_list
 from spmd_rfdetr.model.masks import mask_cost, mask_losses
 from spmd_rfdetr.xla.mesh import on_each_shard, put_rows, take_rows
 
@@ -251,8 +252,6 @@ class StaticSetCriterion(torch.nn.Module):
                 ) -> dict[str, Tensor]:
         num_boxes = self.num_boxes(batch) if num_boxes is None else num_boxes
         if not self.batched:
-            from spmd_rfdetr.data.batches import targets_list
-
             return self.upstream(outputs, targets_list(batch), num_boxes=num_boxes)
         layers, suffixes = _layers(outputs), _suffixes(outputs)
         losses: dict[str, Tensor] = {}

@@ -17,13 +17,8 @@ from spmd_rfdetr.config.options import MeshOptions, ModelOptions, OptimOptions, 
 from spmd_rfdetr.training.ema import DeviceEMA
 from spmd_rfdetr.model.loss import build_criterion
 from spmd_rfdetr.xla.mesh import batch_shard_count
-from spmd_rfdetr.model.upstream import (
-    DeviceLRSchedule,
-    UpstreamConfigs,
-    build_model,
-    build_optimizer,
-    build_upstream_criterion,
-)
+from spmd_rfdetr.model.upstream import UpstreamConfigs, build_model, build_upstream_criterion
+from spmd_rfdetr.training.optim import DeviceLRSchedule, build_optimizer
 from spmd_rfdetr.xla.parallelize import parallelize
 from spmd_rfdetr.training.step import TrainStep
 

@@ -49,10 +49,11 @@ from typing import Any, ContextManager, Literal
 
 import torch
 import torch_xla
-from rfdetr.utilities.tensors import NestedTensor
 
 from spmd_rfdetr.data.batches import normalize_images
+from spmd_rfdetr.model.inputs import as_samples
 from spmd_rfdetr.model.loss import total_loss
+from spmd_rfdetr.xla.parallelize import init_optimizer_state
 from spmd_rfdetr.xla.replay import Lowered, Replayer, ReplayUnsafe, replicate_unannotated
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,6 @@ log = logging.getLogger(__name__)
 LOGGED_LOSSES = ("loss_ce", "loss_bbox", "loss_giou", "loss_mask_ce", "loss_mask_dice")
 
 StepMode = Literal["replay", "trace", "openxla"]
-
-
-def as_samples(images: torch.Tensor) -> NestedTensor:
-    """Fixed-size images need no padding: an all-False bool mask, as rfdetr's NestedTensor expects."""
-    mask = torch.zeros(images.shape[0], images.shape[2], images.shape[3], dtype=torch.bool, device=images.device)
-    return NestedTensor(images, mask)
 
 
 def forward_loss(
@@ -119,7 +114,7 @@ class TrainStep:
     """One optimizer step as one compiled program; returns device tensors only (read them at log points).
 
     Args:
-        schedule: stepped inside the program (e.g. :class:`~spmd_rfdetr.model.upstream.DeviceLRSchedule`); its
+        schedule: stepped inside the program (e.g. :class:`~spmd_rfdetr.training.optim.DeviceLRSchedule`); its
             ``tensors()`` are part of the step's state.
         ema: updated inside the program after the optimizer (:class:`~spmd_rfdetr.training.ema.DeviceEMA`), or ``None``.
         accumulate: micro-batches per optimizer step, run one after the other inside the program (gradients add up;
@@ -381,32 +376,3 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
     """``torch.isfinite(x)``: ``x - x`` is 0 unless ``x`` is inf or NaN. torch_xla compares with an f64 infinity
     passed in as a graph input (TPUs have no f64)."""
     return (x - x) == 0
-
-
-@torch.no_grad()
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create Adam/AdamW state on the device before the first step (torch creates it lazily inside step 1).
-
-    Otherwise step 1 traces a graph without optimizer-state inputs and step 2 compiles the steady-state graph again.
-    Under SPMD ``zeros_like`` comes back replicated whatever the parameter's sharding (measured); with an ``fsdp``
-    axis :func:`~spmd_rfdetr.xla.parallelize.parallelize` has already created this state sharded like each parameter.
-    """
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return
-    for group in optimizer.param_groups:
-        on_xla = [p for p in group["params"] if p.device.type == "xla"]
-        if on_xla and not group.get("capturable", False) and not any(optimizer.state.get(p) for p in on_xla):
-            # the same update, with the step count on the device: a CPU step count would turn each step's bias
-            # corrections into Python numbers baked into the graph (a recompile, or a stale replay)
-            group["capturable"] = True
-            log.info("AdamW param group set to capturable=True (its step count lives on the XLA device)")
-        for p in on_xla:
-            if optimizer.state.get(p):
-                continue
-            state = {"step": torch.zeros((), dtype=torch.float32, device=p.device)}
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if group.get("amsgrad", False):
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            optimizer.state[p] = state
-    torch_xla.sync()

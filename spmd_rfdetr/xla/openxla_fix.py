@@ -8,7 +8,8 @@ second call on (pytorch/xla#4824). The fix hands the bridge the call's own argum
 not rewrapped. One eager backward on the device is also needed once per process before the first compiled backward
 under SPMD (else autograd's engine asserts ``device_ready_queues_``).
 
-Only applied for the torch_xla versions it was verified on (:data:`VERIFIED_TORCH_XLA`); other versions keep
+Only applied for the torch_xla versions it was verified on
+(:data:`~spmd_rfdetr.config.resolve.VERIFIED_TORCH_XLA`, checked where the config is validated); other versions keep
 ``trainer.compile_backend=openxla`` refused.
 """
 
@@ -17,15 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-VERIFIED_TORCH_XLA = ("2.9.0",)
-
-
-def fix_available() -> bool:
-    """Whether this torch_xla is one the bridge fix was verified on (reads the version without importing it)."""
-    from importlib.metadata import version
-
-    return version("torch_xla").split("+")[0] in VERIFIED_TORCH_XLA
-
+from spmd_rfdetr.config.resolve import VERIFIED_TORCH_XLA, fix_available
 
 def apply_bridge_fix() -> Callable[[], None]:
     """Patch torch_xla's dynamo bridge (idempotent); returns a function that undoes the patch."""

@@ -9,7 +9,7 @@ applies them with ``mark_sharding`` (torchtitan's order: build the model -> set 
 state -> EMA copy).
 
 What follows the parameters:
-- AdamW state: created by :func:`spmd_rfdetr.training.step.init_optimizer_state` with ``zeros_like``, which does NOT carry a
+- AdamW state: created by :func:`spmd_rfdetr.xla.parallelize.init_optimizer_state` with ``zeros_like``, which does NOT carry a
   sharding (it comes back ``{replicated}``, measured on torch_xla 2.9), so :func:`parallelize` creates it and gives
   every ``exp_avg``/``exp_avg_sq`` its parameter's spec.
 - Gradients: sharded like their parameter by GSPMD's propagation inside the step (tests/test_parallelize.py checks).
@@ -23,18 +23,21 @@ data 8 (relative 1e-5, 3 steps, replayed step), and parameter + AdamW bytes per 
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Iterable, Sequence
 from typing import Union
 
 import torch
+import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.distributed.spmd as xs
 
 from spmd_rfdetr.config.options import MeshOptions
 from spmd_rfdetr.xla.mesh import FSDP_AXIS, fsdp_axis_size
-from spmd_rfdetr.training.step import init_optimizer_state
+
+log = logging.getLogger(__name__)
 
 #: A partition spec: one mesh axis name (or ``None``: not split) per tensor dimension.
 Spec = tuple[Union[str, None], ...]
@@ -122,3 +125,32 @@ def parallelize(model: torch.nn.Module, mesh: xs.Mesh, cfg: MeshOptions | None =
                 if id(param) in spec_of and isinstance(value, torch.Tensor) and value.shape == param.shape:
                     xs.mark_sharding(value, mesh, spec_of[id(param)])
     return specs
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create Adam/AdamW state on the device before the first step (torch creates it lazily inside step 1).
+
+    Otherwise step 1 traces a graph without optimizer-state inputs and step 2 compiles the steady-state graph again.
+    Under SPMD ``zeros_like`` comes back replicated whatever the parameter's sharding (measured); with an ``fsdp``
+    axis :func:`~spmd_rfdetr.xla.parallelize.parallelize` has already created this state sharded like each parameter.
+    """
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    for group in optimizer.param_groups:
+        on_xla = [p for p in group["params"] if p.device.type == "xla"]
+        if on_xla and not group.get("capturable", False) and not any(optimizer.state.get(p) for p in on_xla):
+            # the same update, with the step count on the device: a CPU step count would turn each step's bias
+            # corrections into Python numbers baked into the graph (a recompile, or a stale replay)
+            group["capturable"] = True
+            log.info("AdamW param group set to capturable=True (its step count lives on the XLA device)")
+        for p in on_xla:
+            if optimizer.state.get(p):
+                continue
+            state = {"step": torch.zeros((), dtype=torch.float32, device=p.device)}
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad", False):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            optimizer.state[p] = state
+    torch_xla.sync()

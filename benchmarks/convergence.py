@@ -55,7 +55,7 @@ def upstream_eager_stats(checkpoint: Path, split: str, weights: Path | None = No
     from rfdetr.evaluation.coco_eval import CocoEvaluator
 
     from spmd_rfdetr.config.options import DataOptions, ModelOptions, OptimOptions
-    from spmd_rfdetr.data.batches import upstream_split
+    from spmd_rfdetr.data.splits import upstream_split
     from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
     from spmd_rfdetr.model.inputs import as_samples
 
@@ -105,7 +105,7 @@ def upstream_train_kwargs(cfg: Any, epochs: int, steps_per_epoch: int, eval_epoc
     m, d, o = cfg.model, cfg.data, cfg.optim
     if o.schedule not in ("cosine", "step") or o.accumulate != 1 or d.multi_scale:
         raise SystemExit("--compare upstream: needs optim.schedule cosine/step, optim.accumulate 1, no multi_scale")
-    from spmd_rfdetr.data.batches import num_classes_in
+    from spmd_rfdetr.data.splits import num_classes_in
     from spmd_rfdetr.model.upstream import upstream_configs
 
     ours = upstream_configs(m, d, o, m.num_classes or num_classes_in(d.dataset_dir)).model  # as fit builds it

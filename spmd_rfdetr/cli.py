@@ -38,6 +38,7 @@ from spmd_rfdetr.config.options import (
     TrainerOptions,
 )
 from spmd_rfdetr.config.resolve import resolve_and_check
+from spmd_rfdetr.data.check_report import DataError
 from spmd_rfdetr.data.synth import synth
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)  # each config field's docstring is its --help
@@ -286,7 +287,7 @@ def export(
 
 
 #: Errors the user fixes in the config, the data or a path: one message and exit status 2.
-USER_ERRORS = (ConfigError, checks.DataError, FileNotFoundError, ArgumentError)
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError, ArgumentError)
 DEBUG_ENV = "SPMD_RFDETR_DEBUG"
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 

@@ -197,7 +197,8 @@ class Tiny:
 
 def make_tiny(model: ModelOptions, synth_dir: str) -> Tiny:
     """:class:`Tiny` for ``model``: batches of the valid split (deterministic transforms), weights of seed 0."""
-    from spmd_rfdetr.data.batches import StaticCollate, build_split
+    from spmd_rfdetr.data.batches import StaticCollate
+    from spmd_rfdetr.data.splits import build_split
     from spmd_rfdetr.model.upstream import build_model, upstream_configs
 
     data = DataOptions(dataset_dir=synth_dir, global_batch_size=TINY_BATCH, max_targets=TINY_MAX_TARGETS, num_workers=0)

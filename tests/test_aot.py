@@ -151,7 +151,7 @@ def test_a_program_that_does_not_fit_is_exit_2_with_the_compilers_numbers(tmp_pa
 
     from spmd_rfdetr.aot.check import DoesNotFit, compile_traced, does_not_fit
     from spmd_rfdetr.xla.mesh import build_mesh
-    from spmd_rfdetr.xla.replay import lower
+    from spmd_rfdetr.xla.lowering import lower
 
     mesh, device = build_mesh(), torch_xla.device()
     weight = torch.randn(1024, 1024).to(device)

@@ -22,7 +22,8 @@ import pytest
 
 from spmd_rfdetr.config import options as config
 from spmd_rfdetr.config import resolve
-from spmd_rfdetr.data.check import KINDS, DataError, check_data
+from spmd_rfdetr.data.check import check_data
+from spmd_rfdetr.data.check_report import KINDS, DataError
 from spmd_rfdetr.cli import main
 from spmd_rfdetr.config.options import ConfigError, DataOptions, EvalOptions, ModelOptions, RunConfig
 from spmd_rfdetr.config.resolve import resolve_and_check
@@ -170,7 +171,7 @@ def tiny_cfg(root: Path, **data: object) -> RunConfig:
 
 
 def test_skipped_images_are_left_out_of_the_train_split(tmp_path: Path) -> None:
-    from spmd_rfdetr.data.batches import build_split
+    from spmd_rfdetr.data.splits import build_split
     from spmd_rfdetr.model.upstream import upstream_configs
 
     root = skippable_dataset(tmp_path / "data")

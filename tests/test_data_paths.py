@@ -16,9 +16,11 @@ import pytest
 import torch
 import yaml
 
-from spmd_rfdetr.data.check import DataError, check_data
+from spmd_rfdetr.data.check import check_data
+from spmd_rfdetr.data.check_report import DataError
 from spmd_rfdetr.config.options import DataOptions, ModelOptions, OptimOptions, RunConfig
-from spmd_rfdetr.data.batches import OVERFLOW_FIX, StaticCollate, build_split, check_overflow, find_overflow
+from spmd_rfdetr.data.batches import StaticCollate
+from spmd_rfdetr.data.splits import OVERFLOW_FIX, build_split, check_overflow, find_overflow
 from spmd_rfdetr.model.upstream import upstream_configs
 from spmd_rfdetr.data.synth import synth
 

@@ -39,7 +39,7 @@ def samples(name: str) -> int:
 
 @pytest.fixture(scope="module")
 def valid_split(tiny):
-    from spmd_rfdetr.data.batches import build_split
+    from spmd_rfdetr.data.splits import build_split
 
     return build_split(tiny.cfgs, "valid")
 
@@ -82,7 +82,7 @@ def upstream_eager_eval(tiny, state, dataset):
     from rfdetr.datasets import get_coco_api_from_dataset
     from rfdetr.evaluation.coco_eval import CocoEvaluator
 
-    from spmd_rfdetr.data.batches import upstream_float
+    from spmd_rfdetr.data.pixels import upstream_float
     from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion
 
     net = build_model(tiny.cfgs)
@@ -132,7 +132,7 @@ def test_the_train_split_is_evaluated_as_read_for_evaluation(tiny, first_eval):
     jitter, and with ``data.multi_scale`` change the size): two evaluations give the same detections and mAP."""
     import dataclasses
 
-    from spmd_rfdetr.data.batches import build_eval_split
+    from spmd_rfdetr.data.splits import build_eval_split
     from spmd_rfdetr.model.upstream import upstream_configs
 
     evaluator, _, _ = first_eval

@@ -194,7 +194,7 @@ def test_seg_step_on_the_mesh_equals_upstream_and_replays(mesh_trainer: Any) -> 
 
     from spmd_rfdetr.training.build import build_trainer
     from spmd_rfdetr.config.options import TrainerOptions
-    from spmd_rfdetr.data.batches import upstream_float
+    from spmd_rfdetr.data.pixels import upstream_float
     from spmd_rfdetr.training.metrics import xla_counters
 
     from conftest import parity_tolerance

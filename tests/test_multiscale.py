@@ -12,7 +12,8 @@ import pytest
 
 from spmd_rfdetr.config.options import DataOptions, RunConfig
 from spmd_rfdetr.config.resolve import multi_scale_buckets, upstream_scales
-from spmd_rfdetr.data.batches import TrainBatches, batch_scale, blank_batch, build_split, first_uses, make_train_loader
+from spmd_rfdetr.data.batches import TrainBatches, batch_scale, blank_batch, first_uses, make_train_loader
+from spmd_rfdetr.data.splits import build_split
 from spmd_rfdetr.training.metrics import xla_counters
 from spmd_rfdetr.model.upstream import upstream_configs
 from conftest import parity_tolerance
@@ -43,7 +44,7 @@ def test_the_position_table_resize_as_matrices_equals_pytorchs_kernel(size_out):
     """xla_safe's replacement of the antialiased bicubic resize (not lowered by torch_xla) against PyTorch's own."""
     import torch
 
-    from spmd_rfdetr.model.xla_safe import resize_matrix
+    from spmd_rfdetr.model.resize import resize_matrix
 
     table = torch.randn(1, 24, 8, 8, generator=torch.Generator().manual_seed(size_out))
     ref = torch.nn.functional.interpolate(table, size=(size_out, size_out), mode="bicubic", align_corners=False,
@@ -91,7 +92,7 @@ def test_buckets_compile_before_step_1_and_train_as_upstream(loop_tiny, mesh_tra
     import torch
 
     from spmd_rfdetr.training.build import build_trainer
-    from spmd_rfdetr.data.batches import upstream_float
+    from spmd_rfdetr.data.pixels import upstream_float
     from spmd_rfdetr.training.loop import precompile_buckets
 
     tiny = loop_tiny

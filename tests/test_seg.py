@@ -162,7 +162,7 @@ def test_segm_map_equals_upstream_eager_eval_of_last_pth(seg_run: SegRun) -> Non
 
     from spmd_rfdetr.eval.coco import stat_names
     from spmd_rfdetr.config.options import RunConfig
-    from spmd_rfdetr.data.batches import upstream_split
+    from spmd_rfdetr.data.splits import upstream_split
     from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
     from spmd_rfdetr.model.inputs import as_samples
     from spmd_rfdetr.model.weights import inference_config, read_weights

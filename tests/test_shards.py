@@ -150,7 +150,7 @@ def test_a_python_number_operand_is_taken_in_the_tensors_dtype_as_eager_pytorch(
     TPUs lack): at x = float32(0.01), ``x >= 0.01`` is False there and True in eager PyTorch, which compares in the
     tensor's dtype. With ``xla_safe``'s kernels every comparison, ``isfinite`` and ``addcmul_``'s value (AdamW's
     ``1 - beta2``) give eager CPU's results with no f64 input in the program."""
-    from spmd_rfdetr.xla.replay import lower
+    from spmd_rfdetr.xla.lowering import lower
 
     xla_safe._install_number_operands()  # (building any model installs it; idempotent)
     host = torch.tensor([0.01, 0.0099, 0.0101, -1.0, float("inf"), float("nan")])

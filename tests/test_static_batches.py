@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spmd_rfdetr.data.batches import StaticCollate, pad_target
-from spmd_rfdetr.eval.evaluator import EvalBatches, EvalCollate
+from spmd_rfdetr.eval.batches import EvalBatches, EvalCollate
 from spmd_rfdetr.model.masks import unpack_masks
 
 unit = st.floats(0.0, 1.0, allow_nan=False, width=32)

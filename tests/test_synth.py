@@ -71,7 +71,7 @@ def test_masks_are_exact_through_rfdetr_and_pycocotools(dataset: Path) -> None:
     """Each annotation's ``segmentation`` (an RLE) decodes to exactly the drawn shape: in rfdetr's reader of a seg model
     (``target["masks"]``, before and, on valid, after its transforms) and in pycocotools' ``annToMask``."""
     from spmd_rfdetr.config.options import DataOptions, ModelOptions, OptimOptions
-    from spmd_rfdetr.data.batches import upstream_split
+    from spmd_rfdetr.data.splits import upstream_split
     from spmd_rfdetr.model.upstream import upstream_configs
 
     model = ModelOptions(variant="seg-nano", resolution=96, pretrain_weights=None)

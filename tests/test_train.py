@@ -27,7 +27,7 @@ def sharding(t: torch.Tensor) -> str:
 def upstream_steps(tiny, steps: int, on_xla: bool = False) -> tuple[list[float], list[torch.Tensor]]:
     """Upstream rfdetr's own step, from upstream's own pieces only: its model on ``nested_tensor_from_tensor_list``
     samples of its own host float pipeline on the batch's uint8 pixels (``ToDtype`` + ``Normalize``:
-    :func:`~spmd_rfdetr.data.batches.upstream_float`; a float32 batch is taken as that input already), its SetCriterion
+    :func:`~spmd_rfdetr.data.pixels.upstream_float`; a float32 batch is taken as that input already), its SetCriterion
     (SciPy matcher) on each image's real boxes (on XLA padded by its own ``pad_targets_to_fixed_count``, its XLA path), the weighted sum of its training module, AdamW over its parameter
     groups, clipping. On the CPU (eager torch, plain AdamW as rfdetr trains), or ``on_xla``: on the XLA device, traced
     lazily by torch_xla (graphs cut where upstream's matcher reads the costs on the host) with AdamW ``capturable``
@@ -35,7 +35,7 @@ def upstream_steps(tiny, steps: int, on_xla: bool = False) -> tuple[list[float],
     until 2026-11-30, segfaults at random under SPMD: in the forward or in AdamW, about 1 run in 4.)"""
     from rfdetr.utilities.tensors import nested_tensor_from_tensor_list, pad_targets_to_fixed_count
 
-    from spmd_rfdetr.data.batches import upstream_float
+    from spmd_rfdetr.data.pixels import upstream_float
 
     device = torch_xla.device() if on_xla else torch.device("cpu")
     net = tiny.model().to(device)

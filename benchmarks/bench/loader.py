@@ -2,7 +2,7 @@
 
 rfdetr's own training dataset and transforms for the config, batched by the training loader ``fit`` uses
 (``make_train_loader``: seeded shuffles, ``StaticCollate`` to fixed shapes, endless) at the config's resolution and
-global batch, per ``--loader-pipeline``: ``uint8`` is what ``fit`` reads (``spmd_rfdetr.data.batches.build_split``: uint8
+global batch, per ``--loader-pipeline``: ``uint8`` is what ``fit`` reads (``spmd_rfdetr.data.splits.build_split``: uint8
 pixels, normalised on the device), ``float`` rfdetr's pipeline as it ships (``upstream_split``: ``ToDtype`` +
 ``Normalize`` on the host, float32 batches; what this project sent before). ``--loader-jpegs 640x480,1280x960``
 writes a photo-like JPEG train split of each size (:func:`write_jpeg_split`) and reads those instead of
@@ -144,7 +144,7 @@ def _sources(args: argparse.Namespace, dataset_dir: str, batch: int) -> list[tup
 
 
 def main_loader(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from spmd_rfdetr.data import batches as data_module
+    from spmd_rfdetr.data import splits as data_module
     from spmd_rfdetr.model.upstream import upstream_configs
 
     workers = [int(w) for w in args.loader_workers.split(",") if w.strip()]

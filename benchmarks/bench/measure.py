@@ -202,7 +202,7 @@ def count_flops_per_image(net_cpu: Any, cfgs: Any, batch: dict[str, Any]) -> flo
     """FLOPs of one training forward + loss + backward of the model on the CPU (eager), per image."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from spmd_rfdetr.data.batches import upstream_float
+    from spmd_rfdetr.data.pixels import upstream_float
     from spmd_rfdetr.model.inputs import targets_list
     from spmd_rfdetr.model.loss import total_loss
     from spmd_rfdetr.model.upstream import build_upstream_criterion

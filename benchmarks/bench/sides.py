@@ -35,7 +35,7 @@ SCHEDULE_STEPS = 1_000_000
 def synthetic_batches(batch: int, resolution: int, max_targets: int, num_classes: int, count: int,
                       seed: int) -> list[dict[str, Any]]:
     """Fixed static batches: random uint8 pixels (as the train loader's; upstream's side puts them through its own
-    ToDtype + Normalize, :func:`~spmd_rfdetr.data.batches.upstream_float`), 1..T valid random cxcywh boxes per image."""
+    ToDtype + Normalize, :func:`~spmd_rfdetr.data.pixels.upstream_float`), 1..T valid random cxcywh boxes per image."""
     import torch
 
     g = torch.Generator().manual_seed(seed + 1)
@@ -153,7 +153,7 @@ def child_upstream(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch_xla
 
-    from spmd_rfdetr.data.batches import upstream_float
+    from spmd_rfdetr.data.pixels import upstream_float
     from spmd_rfdetr.model.inputs import targets_list
     from spmd_rfdetr.model.loss import total_loss
     from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs

@@ -61,7 +61,7 @@ def _num_classes(cfg: RunConfig) -> int:
     if cfg.model.num_classes:
         return cfg.model.num_classes
     if (Path(cfg.data.dataset_dir) / "train").is_dir():
-        from spmd_rfdetr.data.batches import num_classes_in
+        from spmd_rfdetr.data.splits import num_classes_in
 
         return num_classes_in(cfg.data.dataset_dir)
     from spmd_rfdetr.model.upstream import VARIANTS
@@ -87,7 +87,7 @@ def trace_programs(cfg: RunConfig, out: Path, train_only: bool = False) -> list[
     from spmd_rfdetr.xla.fabric import spmd_fabric
     from spmd_rfdetr.xla.mesh import build_mesh
     from spmd_rfdetr.model.upstream import upstream_configs
-    from spmd_rfdetr.xla.replay import lower
+    from spmd_rfdetr.xla.lowering import lower
 
     devices = xr.global_runtime_device_count()
     resolve_and_check(cfg, devices)

@@ -6,13 +6,8 @@ Every batch is one dict with fixed shapes, so the training step compiles once:
 also ``masks`` [B, T, R, ceil(R/8)] uint8, each target's instance mask at the input resolution, bit-packed
 (:func:`spmd_rfdetr.model.masks.pack_masks`: 8x fewer bytes than rfdetr's bool masks, read on the device at points).
 
-Pixels travel as uint8, a quarter of the bytes of rfdetr's float32 input: rfdetr's transforms run on the host except
-their last two steps (``ToDtype(float32, scale=True)`` and the image half of ``Normalize``), which
-:func:`normalize_images` runs on the device inside every compiled program that feeds the model.
-
-Overflow policy (never silent): before training, the annotation files are scanned for images with more than
-``max_targets`` boxes. ``on_overflow="error"`` stops and names them; ``"truncate"`` logs how many images and boxes are
-affected (naming the first files) and keeps each such image's ``max_targets`` largest boxes.
+Pixels travel as uint8 (:mod:`spmd_rfdetr.data.pixels`); the splits and the overflow policy:
+:mod:`spmd_rfdetr.data.splits`.
 
 Multi-scale training (``data.multi_scale``, rfdetr's default recipe; instance masks stay at the size read, as rfdetr's
 per-batch resize leaves them: they are sampled at normalised points): the train split is read at the largest of
@@ -34,197 +29,20 @@ every state tensor bit-identical.
 
 from __future__ import annotations
 
-import logging
 import random
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from rfdetr.datasets import build_dataset, get_coco_api_from_dataset
-from rfdetr.datasets.transforms import Normalize
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
-from torchvision.transforms.v2 import ToDtype
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from spmd_rfdetr.config.options import DataOptions
-from spmd_rfdetr.xla.hosts import host_rows
-from spmd_rfdetr.model.masks import pack_masks
-from spmd_rfdetr.model.upstream import UpstreamConfigs
-from spmd_rfdetr.quiet import library_prints
 from spmd_rfdetr.config.resolve import worker_count
-
-log = logging.getLogger(__name__)
-
-SPLITS = {"train": "train", "valid": "val", "test": "test"}
+from spmd_rfdetr.model.masks import pack_masks
+from spmd_rfdetr.xla.hosts import host_rows
 
 
-def num_classes_in(dataset_dir: str) -> int:
-    """Class count the way rfdetr's ``train()`` detects it (same category basis as its labels)."""
-    from rfdetr.detr import RFDETR
-
-    return RFDETR._detect_num_classes_for_training(dataset_dir)
-
-
-def class_names(dataset: Dataset[Any], num_classes: int) -> list[str]:
-    """Category names indexed by training label, as rfdetr's dataset maps categories to labels ('' where unnamed)."""
-    coco = get_coco_api_from_dataset(dataset)
-    if coco is None:
-        return [""] * num_classes
-    label2cat = getattr(coco, "label2cat", None) or {i: i for i in range(num_classes)}
-    return [coco.cats.get(int(label2cat.get(label, -1)), {}).get("name", "") for label in range(num_classes)]
-
-
-def upstream_split(cfgs: UpstreamConfigs, split: str) -> Dataset[Any]:
-    """rfdetr's dataset for ``split`` (``train``/``valid``/``test``) exactly as rfdetr builds it, float32 images
-    normalised on the host: what comparisons with upstream read. Training and evaluation read :func:`build_split`."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; expected one of {sorted(SPLITS)}")
-    with library_prints():  # pycocotools' progress prints (quiet.configure's choice)
-        return build_dataset(SPLITS[split], cfgs.namespace(), cfgs.model.resolution)
-
-
-def build_split(cfgs: UpstreamConfigs, split: str) -> Dataset[Any]:
-    """rfdetr's dataset for ``split`` with its transforms at the fixed resolution, images as uint8 [3, R, R]
-    (:func:`uint8_pixels`; the boxes are rfdetr's, normalised cxcywh)."""
-    dataset = upstream_split(cfgs, split)
-    reader = _reader(dataset)
-    reader._transforms = uint8_pixels(reader._transforms)
-    return dataset
-
-
-def build_eval_split(cfgs: UpstreamConfigs, split: str) -> Dataset[Any]:
-    """``split`` read for evaluation: rfdetr's validation transforms at the model's resolution, whatever the split.
-    The train split's own transforms augment (flips, resize-crop jitter, multi-scale sizes): scored against the
-    original annotations they give a different mAP at every pass. rfdetr's builders pick transforms by split name, so
-    the train reader takes the valid split's pipeline (and decodes at full size, as the valid split does)."""
-    dataset = build_split(cfgs, split)
-    if split == "train":
-        reader, valid = _reader(dataset), _reader(upstream_split(cfgs, "valid"))
-        reader._transforms = uint8_pixels(valid._transforms)
-        if hasattr(reader, "_draft_size"):  # rfdetr's JPEG draft decode is for the train transforms' smaller sizes
-            reader._draft_size = getattr(valid, "_draft_size", None)
-    return dataset
-
-
-def _reader(dataset: Dataset[Any]) -> Any:
-    """The rfdetr dataset under any ``Subset``, which holds the transform pipeline."""
-    while isinstance(dataset, Subset):
-        dataset = dataset.dataset
-    if getattr(dataset, "_transforms", None) is None:
-        raise TypeError(f"rfdetr built a {type(dataset).__name__} without a transform pipeline to read as uint8")
-    return dataset
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Pixels: uint8 on the host, normalised on the device
-# ---------------------------------------------------------------------------------------------------------------------
-
-#: rfdetr's image normalisation, from its own ``Normalize`` (ImageNet mean and std of its defaults).
-PIXEL_MEAN: tuple[float, ...] = tuple(Normalize()._normalize.mean)
-PIXEL_STD: tuple[float, ...] = tuple(Normalize()._normalize.std)
-
-
-def _unchanged(image: torch.Tensor) -> torch.Tensor:
-    return image
-
-
-class BoxesOnlyNormalize(Normalize):
-    """rfdetr's ``Normalize`` with the image left as it is (uint8): its own code still turns the boxes into
-    normalised cxcywh; the pixels are normalised on the device (:func:`normalize_images`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._normalize = _unchanged  # the one image step of rfdetr's __call__; everything else in it is kept
-
-
-def uint8_pixels(transforms: Any) -> Any:
-    """rfdetr's transform ``Compose`` with its last two steps, ``ToDtype(float32, scale=True)`` and ``Normalize``
-    (rfdetr's default mean/std), replaced by :class:`BoxesOnlyNormalize`: samples come out as uint8 ``[3, H, W]``
-    (``ToImage``'s output) with rfdetr's boxes. Anything else is an error, not a silent float batch."""
-    steps = list(transforms.transforms)
-    to_float, normalize = (steps[-2:] if len(steps) >= 2 else (None, None))
-    if not (isinstance(to_float, ToDtype) and to_float.dtype == torch.float32 and to_float.scale
-            and type(normalize) is Normalize
-            and (tuple(normalize._normalize.mean), tuple(normalize._normalize.std)) == (PIXEL_MEAN, PIXEL_STD)):
-        raise ValueError(f"rfdetr's transforms end with {[type(t).__name__ for t in steps[-2:]]}, not ToDtype(float32, "
-                         "scale=True) + Normalize with its default mean/std: cannot hand their pixels over as uint8")
-    return type(transforms)([*steps[:-2], BoxesOnlyNormalize()])
-
-
-def normalize_images(images: torch.Tensor) -> torch.Tensor:
-    """rfdetr's ``ToDtype(float32, scale=True)`` + ``Normalize`` on the device, in float32 and in its order
-    (``x * (1/255)``, then ``(x - mean) / std``): pixels ``[B, 3, H, W]``, uint8 (or float32 values 0..255: a resized
-    multi-scale batch, :class:`StaticCollate`) -> the model's float32 input. Called inside every compiled program that
-    feeds the model (training step, eval forward, predict). A traced program cannot look at the values: the collates
-    (:class:`StaticCollate`, ``evaluate.EvalCollate``) refuse samples that are not uint8 pixels (rfdetr's own
-    normalised float input would be normalised twice)."""
-    if images.dtype not in (torch.uint8, torch.float32):
-        raise TypeError(f"images are {images.dtype}: batches carry uint8 pixels (spmd_rfdetr.data.batches.build_split), "
-                        "which this normalises")
-
-    def const(values: Any) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=images.device)
-
-    mean, std = const(PIXEL_MEAN).view(1, -1, 1, 1), const(PIXEL_STD).view(1, -1, 1, 1)
-    return (images.to(torch.float32) * const(1 / 255) - mean) / std
-
-
-def upstream_float(images: torch.Tensor) -> torch.Tensor:
-    """rfdetr's own host steps on uint8 pixels ``[B, 3, H, W]`` (its ``ToDtype(float32, scale=True)``, then its
-    ``Normalize``, image by image): the float input upstream's model gets for these pixels."""
-    if images.dtype != torch.uint8:
-        raise TypeError(f"upstream's ToDtype(float32, scale=True) scales uint8 pixels only, got {images.dtype}")
-    to_float, normalize = ToDtype(torch.float32, scale=True), Normalize()
-    return torch.stack([normalize(to_float(image), None)[0] for image in images])
-
-
-@dataclass
-class Overflow:
-    """Images whose annotations hold more boxes than ``max_targets``."""
-
-    files: list[str]
-    boxes_over: int
-
-    def describe(self, max_targets: int, limit: int = 5) -> str:
-        shown = ", ".join(self.files[:limit]) + (f" (+{len(self.files) - limit} more)" if len(self.files) > limit else "")
-        return f"{len(self.files)} image(s) have more than data.max_targets={max_targets} boxes ({self.boxes_over} boxes over): {shown}"
-
-
-#: How to resolve an :class:`Overflow` (said by ``check_overflow`` and by the data check, :mod:`spmd_rfdetr.data.check`).
-OVERFLOW_FIX = (
-    "Raise data.max_targets (it must stay <= queries per group) or set data.on_overflow=truncate to keep each "
-    "image's largest boxes."
-)
-
-
-def count_overflow(box_counts: Mapping[str, int], max_targets: int) -> Overflow:
-    """The images of ``{file name: boxes training sees}`` over the padding cap."""
-    files = sorted(name for name, count in box_counts.items() if count > max_targets)
-    return Overflow(files, sum(box_counts[name] - max_targets for name in files))
-
-
-def find_overflow(dataset: Dataset[Any], max_targets: int) -> Overflow:
-    """Scan the split's annotations (not the images) for images over the padding cap (crowd boxes do not count)."""
-    coco = get_coco_api_from_dataset(dataset)
-    if coco is None:
-        return Overflow([], 0)
-    counts = {
-        coco.imgs[image_id]["file_name"]: sum(1 for a in anns if not a.get("iscrowd", 0))
-        for image_id, anns in coco.imgToAnns.items()
-    }
-    return count_overflow(counts, max_targets)
-
-
-def check_overflow(dataset: Dataset[Any], data: DataOptions, split: str) -> None:
-    """Apply ``data.on_overflow`` before any training: raise, or log what will be truncated."""
-    overflow = find_overflow(dataset, data.max_targets)
-    if not overflow.files:
-        return
-    message = f"{data.dataset_dir} [{split}]: {overflow.describe(data.max_targets)}"
-    if data.on_overflow == "error":
-        raise ValueError(f"{message}. {OVERFLOW_FIX}")
-    log.warning("%s; keeping the %d largest boxes of each (data.on_overflow=truncate)", message, data.max_targets)
 
 
 def pad_target(target: dict[str, torch.Tensor], max_targets: int) -> dict[str, torch.Tensor]:
@@ -272,7 +90,7 @@ class StaticCollate:
         for image, target in samples:
             if image.dtype != torch.uint8 and not self.float_pixels:  # a float sample is rfdetr's normalised input: normalised twice, silently
                 raise TypeError(f"image_id {int(target['image_id'])}: {image.dtype} pixels, expected uint8: every "
-                                "program normalises pixels itself, so read splits with spmd_rfdetr.data.batches.build_split "
+                                "program normalises pixels itself, so read splits with spmd_rfdetr.data.splits.build_split "
                                 "(rfdetr's transforms, pixels left uint8), not rfdetr's build_dataset")
             if tuple(image.shape) != expected:
                 raise ValueError(
@@ -405,4 +223,3 @@ def make_train_loader(
     batches = TrainBatches(len(dataset), data.global_batch_size, seed, start_step, host, scales)  # type: ignore[arg-type]
     return DataLoader(SeededSamples(dataset, seed), batch_sampler=batches, num_workers=worker_count(data.num_workers),
                       collate_fn=StaticCollate(data.max_targets, resolution, float_pixels))
-

@@ -21,7 +21,7 @@ from typing import Any
 from spmd_rfdetr.data.files import Finding, SplitData
 
 OUTSIDE_TOLERANCE_PX = 1.0  # as for boxes: exports round polygon points, this much past the edge is not a finding
-#: kind -> (what it is, how to fix it); :data:`spmd_rfdetr.data.check.KINDS` holds these too.
+#: kind -> (what it is, how to fix it); :data:`spmd_rfdetr.data.check_report.KINDS` holds these too.
 MASK_KINDS: dict[str, tuple[str, str]] = {
     "missing_mask": ("object without a mask (model.variant is a seg-* model)", "add the object's 'segmentation' (a "
                      "polygon [[x1, y1, x2, y2, ...]] or an RLE {'size': [height, width], 'counts': ...}; re-export "

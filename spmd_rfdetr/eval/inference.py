@@ -21,12 +21,12 @@ from spmd_rfdetr.eval.evaluator import (
     EvalForward,
     EvalResult,
     device_sender,
-    eval_loader,
     eval_sizes,
     evaluator_for,
     run_detection,
     save_result,
 )
+from spmd_rfdetr.eval.batches import eval_loader
 from spmd_rfdetr.data.images import ImageFolder, eval_transforms
 from spmd_rfdetr.model.weights import inference_config, read_weights
 
@@ -52,7 +52,7 @@ def load_for_inference(cfg: RunConfig, checkpoint: str) -> tuple[RunConfig, Any,
     devices = xr.global_runtime_device_count()
     resolve_and_check(cfg, devices)
     log.info("%s on %d %s device(s)", Path(checkpoint).name, devices, xr.device_type())
-    from spmd_rfdetr.data.batches import num_classes_in
+    from spmd_rfdetr.data.splits import num_classes_in
     from spmd_rfdetr.xla.fabric import spmd_fabric
     from spmd_rfdetr.xla.mesh import build_mesh
     from spmd_rfdetr.model.upstream import build_model, upstream_configs
@@ -73,7 +73,7 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: str, output_dir: str | None 
     ``output_dir`` defaults to ``<checkpoint dir>/eval_<checkpoint stem>_<split>``.
     """
     cfg, fabric, cfgs, net = load_for_inference(cfg, checkpoint)
-    from spmd_rfdetr.data.batches import build_eval_split  # imports rfdetr, which starts torch_xla: after the device is chosen
+    from spmd_rfdetr.data.splits import build_eval_split  # imports rfdetr, which starts torch_xla: after the device is chosen
 
     check_data(cfg, [cfg.eval.split])  # the split's annotations and images, before the eval program compiles
     result = evaluator_for(cfg, cfgs, net, fabric, build_eval_split(cfgs, cfg.eval.split)).run()
@@ -93,7 +93,7 @@ def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
     """
     cfg, fabric, cfgs, net = load_for_inference(cfg, checkpoint)
     check_data(cfg, [], images=images)  # every image of the folder readable, before the eval program compiles
-    from spmd_rfdetr.data.batches import uint8_pixels
+    from spmd_rfdetr.data.pixels import uint8_pixels
 
     folder = ImageFolder(images, uint8_pixels(eval_transforms(cfgs)))  # uint8 pixels, as an eval split's
     hosts.check_same_on_all_hosts(f"the number of images in {images}", len(folder))  # else: a hang

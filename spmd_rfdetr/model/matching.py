@@ -23,11 +23,12 @@ free query, the cheapest proposer wins", then the k-th leftover target takes the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from spmd_rfdetr.xla.while_loop import while_loop
 
 __all__ = ["AssignmentResult", "sanitize_cost", "solve_assignment", "solve_assignment_with_stats"]
 
@@ -124,7 +125,7 @@ def solve_assignment_with_stats(
     def searching(*state: Tensor) -> Tensor:
         return (state[_CUR] < num_targets).any() & (state[_IT] < max_rounds)
 
-    state = _while_loop(searching, _step, _initial_state(reduced, valid, auction_rounds))
+    state = while_loop(searching, _step, _initial_state(reduced, valid, auction_rounds))
     col4row, done = state[_COL4ROW], state[_CUR] >= num_targets
     certified = _certified(valid, state[_U], state[_V], col4row, reduced, eps)
 
@@ -136,7 +137,7 @@ def solve_assignment_with_stats(
         return cost, valid, _greedy_finish(cost, valid, col4row), torch.zeros_like(first)
 
     first = torch.ones((), dtype=torch.bool, device=device)
-    col4row = _while_loop(pending, finish, (reduced, valid, col4row, first))[2]
+    col4row = while_loop(pending, finish, (reduced, valid, col4row, first))[2]
     query_of_target = torch.where(valid, col4row, torch.zeros_like(col4row)).long()
     converged = done & certified & ~overflow
     return AssignmentResult(query_of_target, converged, state[_ROUNDS].long(), state[_IT].long())
@@ -195,7 +196,7 @@ def _initial_state(cost: Tensor, valid: Tensor, auction_rounds: int) -> tuple[Te
     def bid(cost: Tensor, valid: Tensor, v: Tensor, col4row: Tensor, row4col: Tensor, k: Tensor) -> tuple[Tensor, ...]:
         return (cost, valid, *_auction_round(cost, valid, v, col4row, row4col), k + 1)
 
-    _, _, v, col4row, row4col, _ = _while_loop(more, bid, (cost, valid, v, col4row, row4col, round_))
+    _, _, v, col4row, row4col, _ = while_loop(more, bid, (cost, valid, v, col4row, row4col, round_))
     held = col4row.clamp(max=num_queries - 1).long()
     u = cost.gather(2, held[:, :, None])[:, :, 0] - v.gather(1, held)  # tight on assigned rows
     u = torch.where(col4row < num_queries, u, torch.zeros_like(u))
@@ -373,77 +374,3 @@ def _greedy_finish(cost: Tensor, valid: Tensor, col4row: Tensor) -> Tensor:
     col_of_rank = col_of_rank.scatter(1, free_rank, cols)
     need_rank = torch.where(need, need.long().cumsum(dim=1) - 1, no_rank)
     return torch.where(need, col_of_rank.gather(1, need_rank), col4row)
-
-
-def _while_loop(
-    cond: Callable[..., Tensor], body: Callable[..., tuple[Tensor, ...]], state: Sequence[Tensor]
-) -> tuple[Tensor, ...]:
-    """``while cond(*state): state = body(*state)``: an XLA ``While`` on XLA tensors, a Python loop otherwise."""
-    if state[0].device.type == "xla":
-        return _xla_while_loop(cond, body, state)
-    return _eager_while_loop(cond, body, tuple(state))
-
-
-def _eager_while_loop(
-    cond: Callable[..., Tensor], body: Callable[..., tuple[Tensor, ...]], state: tuple[Tensor, ...]
-) -> tuple[Tensor, ...]:
-    """Reference driver for eager (CPU/CUDA) tensors: the same body in a Python loop."""
-    while bool(cond(*state)):
-        state = body(*state)
-    return state
-
-
-def _xla_while_loop(
-    cond: Callable[..., Tensor], body: Callable[..., tuple[Tensor, ...]], state: Sequence[Tensor]
-) -> tuple[Tensor, ...]:
-    """Run ``while cond(*state): state = body(*state)`` as one XLA ``While`` op inside the lazy graph.
-
-    ``cond`` and ``body`` are traced once on placeholder tensors and lowered to HLO computations; tensors they
-    create internally (scalars, aranges) become extra loop-invariant operands of the While, as in
-    ``torch_xla.experimental.scan``.
-    """
-    import torch_xla
-    import torch_xla.core.xla_builder as xb
-
-    placeholders = [xb.create_placeholder_tensor(t.shape, t.dtype) for t in state]
-
-    def lower(fn: Callable[..., object], name: str) -> tuple[object, dict[int, int], dict[int, Tensor], int]:
-        outputs = fn(*placeholders)
-        outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
-        ctx = torch_xla._XLAC.lowering.LoweringContext(name)
-        ctx.build(outputs)
-        computation = xb.computation_from_module_proto(name, ctx.hlo())
-        state_params = {}
-        for index, placeholder in enumerate(placeholders):
-            param_id = ctx.tensor_parameter_id(placeholder)
-            if param_id != -1:
-                state_params[param_id] = index
-        hoisted = {k: t for k, t in ctx.device_parameter_id_tensor_mapping().items() if k not in state_params}
-        return computation, state_params, hoisted, len(outputs)
-
-    body_comp, body_params, body_hoisted, num_out = lower(body, "assignment_body")
-    cond_comp, cond_params, cond_hoisted, _ = lower(cond, "assignment_cond")
-    assert num_out == len(state), "the loop body must return the whole state"
-
-    operands = list(state)
-    for params, hoisted in ((body_params, body_hoisted), (cond_params, cond_hoisted)):
-        for param_id, tensor in sorted(hoisted.items()):
-            params[param_id] = len(operands)
-            operands.append(tensor)
-
-    builder = xb.create_builder("assignment_while")
-    while_params = [xb.mkparam(builder, k, shape) for k, shape in enumerate(xb.tensor_shape(operands))]
-
-    def call(computation: object, params: dict[int, int], ops: Sequence[object]) -> object:
-        return xb.Op.call(computation, [ops[params[k]] for k in range(len(params))])
-
-    def cond_fn(*ops: object) -> object:
-        return call(cond_comp, cond_params, ops).get_tuple_element(0)
-
-    def body_fn(*ops: object) -> tuple[object, ...]:
-        result = call(body_comp, body_params, ops)
-        return tuple(result.get_tuple_element(k) for k in range(len(state))) + tuple(ops[len(state) :])
-
-    computation = xb.Op.mkwhile(while_params, cond_fn, body_fn).build("assignment_while")
-    outputs = torch_xla._XLAC._xla_user_computation("xla::assignment_while", operands, computation)
-    return tuple(outputs[: len(state)])

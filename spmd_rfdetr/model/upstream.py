@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from rfdetr import config as rfdetr_config
 from rfdetr._namespace import _namespace_from_configs  # rfdetr's own config -> builder-namespace bridge
 from rfdetr.assets.model_weights import ModelWeights

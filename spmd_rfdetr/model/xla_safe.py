@@ -53,6 +53,8 @@ from typing import Any
 
 import torch
 
+from spmd_rfdetr.model.resize import resize_as_matmul
+
 
 def install() -> None:
     """Wrap the functions listed above (idempotent)."""
@@ -71,7 +73,7 @@ def install() -> None:
             return table  # upstream's own first case (no resize): also what dynamo traces in the openxla eval forward
         if torch.compiler.is_compiling():
             return original(self, embeddings, height, width)
-        with _resize_as_matmul():
+        with resize_as_matmul():
             return original(self, embeddings, height, width)
 
     interpolate_pos_encoding._spmd_rfdetr = True  # type: ignore[attr-defined]
@@ -95,7 +97,7 @@ def _install_mask_head_resize() -> None:
     def wrapped(self: Any, spatial_features: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if spatial_features.device.type != "xla" or not _may_patch():
             return sparse_forward(self, spatial_features, *args, **kwargs)
-        with _resize_as_matmul():
+        with resize_as_matmul():
             return sparse_forward(self, spatial_features, *args, **kwargs)
 
     wrapped._spmd_rfdetr = True  # type: ignore[attr-defined]
@@ -364,43 +366,3 @@ def _batch_major_groups(batch: int, per_group: int) -> Iterator[None]:
         yield
     finally:
         torch.Tensor.split, torch.cat = split, cat  # type: ignore[method-assign]
-
-
-#: ``F.interpolate`` (mode, antialias) pairs :func:`_resize_as_matmul` replaces.
-_MATMUL_RESIZES = {("bicubic", True), ("bilinear", False)}
-
-
-@contextlib.contextmanager
-def _resize_as_matmul() -> Iterator[None]:
-    """While active, ``F.interpolate`` of a 4-d XLA tensor to a given size, antialiased bicubic or plain bilinear, is
-    two matrix products; every other call goes to PyTorch's own ``interpolate``."""
-    functional = torch.nn.functional
-    original = functional.interpolate
-
-    def interpolate(input: torch.Tensor, size: Any = None, scale_factor: Any = None, mode: str = "nearest",
-                    align_corners: bool | None = None, recompute_scale_factor: bool | None = None,
-                    antialias: bool = False) -> torch.Tensor:
-        matmul = (mode, antialias) in _MATMUL_RESIZES and size is not None
-        if matmul and input.device.type == "xla" and input.dim() == 4:
-            rows, cols = (size, size) if isinstance(size, int) else size
-            along_h = resize_matrix(input.shape[-2], int(rows), bool(align_corners), mode).to(input.device, input.dtype)
-            along_w = resize_matrix(input.shape[-1], int(cols), bool(align_corners), mode).to(input.device, input.dtype)
-            return torch.einsum("oh,bchw,pw->bcop", along_h, input, along_w)
-        return original(input, size, scale_factor, mode, align_corners, recompute_scale_factor, antialias)
-
-    functional.interpolate = interpolate
-    try:
-        yield
-    finally:
-        functional.interpolate = original
-
-
-@functools.lru_cache(maxsize=None)
-def resize_matrix(size_in: int, size_out: int, align_corners: bool, mode: str = "bicubic") -> torch.Tensor:
-    """``(size_out, size_in)``: PyTorch's resize of a length-``size_in`` axis as a matrix: antialiased ``bicubic``
-    or plain ``bilinear``."""
-    # the other axis has 2 pixels, kept as they are: with 1, PyTorch's antialiased kernel returns a constant
-    basis = torch.eye(size_in, dtype=torch.float64).reshape(size_in, 1, size_in, 1).expand(-1, -1, -1, 2).contiguous()
-    resized = torch.nn.functional.interpolate(basis, size=(size_out, 2), mode=mode, align_corners=align_corners,
-                                              antialias=mode == "bicubic")
-    return resized[:, 0, :, 0].T.float().contiguous()

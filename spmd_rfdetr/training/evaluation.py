@@ -138,7 +138,7 @@ def fit_evaluation(cfg: RunConfig, cfgs: Any, model: torch.nn.Module, fabric: An
     every_steps = cfg.eval.every_steps if every_steps is None else every_steps
     if every_steps <= 0:
         return None
-    from spmd_rfdetr.data.batches import build_eval_split
+    from spmd_rfdetr.data.splits import build_eval_split
     from spmd_rfdetr.xla.fabric import replicate_parameters
 
     e = cfg.eval

@@ -87,8 +87,8 @@ def _train(cfg: RunConfig, preemption: Preemption, started: float) -> Path:
     check_s = time.perf_counter() - check_start
 
     from spmd_rfdetr.training.build import build_trainer, unwrap
-    from spmd_rfdetr.data.batches import (blank_batch, build_split, check_overflow, class_names, first_uses, make_train_loader,
-                                  num_classes_in)
+    from spmd_rfdetr.data.batches import blank_batch, first_uses, make_train_loader
+    from spmd_rfdetr.data.splits import build_split, check_overflow, class_names, num_classes_in
     from spmd_rfdetr.training.evaluation import fit_evaluation
     from spmd_rfdetr.xla.fabric import spmd_fabric
     from spmd_rfdetr.xla.mesh import build_mesh

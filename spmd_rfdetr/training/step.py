@@ -50,11 +50,12 @@ from typing import Any, ContextManager, Literal
 import torch
 import torch_xla
 
-from spmd_rfdetr.data.batches import normalize_images
+from spmd_rfdetr.data.pixels import normalize_images
 from spmd_rfdetr.model.inputs import as_samples
 from spmd_rfdetr.model.loss import total_loss
 from spmd_rfdetr.xla.parallelize import init_optimizer_state
-from spmd_rfdetr.xla.replay import Lowered, Replayer, ReplayUnsafe, replicate_unannotated
+from spmd_rfdetr.xla.replay import Replayer, ReplayUnsafe, replicate_unannotated
+from spmd_rfdetr.xla.lowering import Lowered
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def forward_loss(
     """Forward + criterion: (weighted total loss, rfdetr's loss dict). The loss is computed in fp32.
 
     ``criterion(outputs, batch)`` takes the static batch itself (:class:`~spmd_rfdetr.model.loss.StaticSetCriterion`);
-    its uint8 ``images`` are normalised here, in float32 (:func:`~spmd_rfdetr.data.batches.normalize_images`);
+    its uint8 ``images`` are normalised here, in float32 (:func:`~spmd_rfdetr.data.pixels.normalize_images`);
     ``num_boxes``: rfdetr's loss normaliser, when it is not this batch's own box count (accumulation)."""
     samples = as_samples(normalize_images(batch["images"]))
     with autocast():

@@ -84,7 +84,7 @@ import yaml  # noqa: E402
 
 from jobs import JOBS, Background, JobInputs, job_fixture, jobs_of  # noqa: E402
 from spmd_rfdetr.config.options import DataOptions, ModelOptions, OptimOptions, RunConfig, TrainerOptions  # noqa: E402
-from spmd_rfdetr.training.loop import SIGTERM_AT_STEP_ENV  # noqa: E402
+from spmd_rfdetr.training.stops import SIGTERM_AT_STEP_ENV  # noqa: E402
 
 # The one tiny RF-DETR every in-process test compiles (graphs are shared within the process: keep shapes identical).
 #: From scratch (``pretrain_weights=None``, as every model the suite builds): the suite downloads nothing.

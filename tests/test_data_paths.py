@@ -76,7 +76,7 @@ def test_overflow_truncate_logs_and_keeps_the_largest_boxes(crowded: Path, caplo
     over = expected_overflow(crowded)
     cfg = run_config(crowded, on_overflow="truncate")
     train, valid = split_of(cfg, "train"), split_of(cfg, "valid")
-    with caplog.at_level(logging.WARNING, logger="spmd_rfdetr.data.batches"):
+    with caplog.at_level(logging.WARNING, logger="spmd_rfdetr.data.splits"):
         check_overflow(train, cfg.data, "train")
     assert f"{len(over)} image(s) have more than data.max_targets={MAX_TARGETS}" in caplog.text
     assert f"keeping the {MAX_TARGETS} largest boxes of each (data.on_overflow=truncate)" in caplog.text

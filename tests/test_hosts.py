@@ -35,7 +35,7 @@ rank, count, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=count)
 from spmd_rfdetr.xla import hosts
 from spmd_rfdetr.data.batches import TrainBatches
-from spmd_rfdetr.training.loop import Preemption
+from spmd_rfdetr.training.stops import Preemption
 out = {"host": list(hosts.this_host()), "coordinator": hosts.is_coordinator(), "joined_again": None}
 hosts.join_hosts()  # a group exists: nothing happens
 out["any_on_host_1"] = hosts.any_host(rank == 1)

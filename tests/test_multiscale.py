@@ -93,7 +93,7 @@ def test_buckets_compile_before_step_1_and_train_as_upstream(loop_tiny, mesh_tra
 
     from spmd_rfdetr.training.build import build_trainer
     from spmd_rfdetr.data.pixels import upstream_float
-    from spmd_rfdetr.training.loop import precompile_buckets
+    from spmd_rfdetr.training.setup import precompile_buckets
 
     tiny = loop_tiny
 

@@ -16,7 +16,7 @@ rfdetr's scales for the model (``compute_multi_scale_scales`` with its default `
 (``random.Random(step).choice(scales)``: the same size at the same step as an upstream run, and a pure function of the
 step, so resume stays exact). Every size is a bucket: a static batch shape with its own compiled training program
 (replay keeps one program per batch signature); ``data.scales`` keeps some of rfdetr's sizes only. In ``replay`` mode
-``fit`` compiles every bucket's program before step 1 (``loop.precompile_buckets``, one log line each: ``multi-scale:
+``fit`` compiles every bucket's program before step 1 (``setup.precompile_buckets``, one log line each: ``multi-scale:
 compiled 288 px (8/8) in 95 s``) from a blank batch of that shape: traced, compiled without running, and every weight,
 AdamW moment, learning rate, step count and the RNG seed put back as it was (``Replayer.precompile``); in ``trace`` and
 ``openxla`` mode each bucket compiles at its first step (``fit`` logs which). Evaluation stays at

@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import LOOP_MODEL
+from support.models import LOOP_MODEL
 from jobs import JobInputs, job_fixture
 from test_cli import ROOT, run_cli
 

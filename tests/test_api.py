@@ -11,7 +11,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import LOOP_MODEL, ROOT, assert_quiet
+from support.models import LOOP_MODEL
+from support.runs import ROOT, assert_quiet
 from jobs import JobInputs, job_fixture
 
 #: The loop model, one epoch of the session's 32 train images at rfdetr's per-device batch of 2 on 4 devices (4 steps),

@@ -16,7 +16,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import LOOP_STEPS, XLA_NOTE, PreemptedRun, assert_quiet, parity_tolerance, read_metrics
+from support.models import LOOP_STEPS, parity_tolerance
+from support.runs import XLA_NOTE, PreemptedRun, assert_quiet, read_metrics
 from jobs import JobInputs, job_fixture
 
 from spmd_rfdetr.cli import main

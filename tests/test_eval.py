@@ -22,7 +22,8 @@ from spmd_rfdetr.eval import evaluator as ev
 from spmd_rfdetr.eval.coco import BOXES, SCORE
 from spmd_rfdetr.model.inputs import as_samples
 
-from conftest import EVAL_EVERY, read_metrics  # tests/ is on sys.path (rootdir conftest, no __init__.py)
+from support.models import EVAL_EVERY
+from support.runs import read_metrics
 
 SUBSET, EVAL_BATCH = 20, 12  # 20 images in global batches of 12: 12 + 8 padded to 12
 pytestmark = pytest.mark.slow  # every test reads the session fit (conftest.fit_run) or compiles an eval program

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import read_metrics
+from support.runs import read_metrics
 from jobs import JobInputs, job_fixture
 from spmd_rfdetr.xla import hosts
 from spmd_rfdetr.data.batches import TrainBatches

@@ -197,7 +197,7 @@ def test_seg_step_on_the_mesh_equals_upstream_and_replays(mesh_trainer: Any) -> 
     from spmd_rfdetr.data.pixels import upstream_float
     from spmd_rfdetr.training.metrics import xla_counters
 
-    from conftest import parity_tolerance
+    from support.models import parity_tolerance
 
     from spmd_rfdetr.training.optim import build_optimizer
 

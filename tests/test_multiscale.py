@@ -16,7 +16,7 @@ from spmd_rfdetr.data.batches import TrainBatches, batch_scale, blank_batch, fir
 from spmd_rfdetr.data.splits import build_split
 from spmd_rfdetr.training.metrics import xla_counters
 from spmd_rfdetr.model.upstream import upstream_configs
-from conftest import parity_tolerance
+from support.models import parity_tolerance
 from test_train import upstream_steps
 
 BUCKETS = [64, 96]  # two of the loop model's buckets show the mechanism; each more is one more compile

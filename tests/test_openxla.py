@@ -17,7 +17,8 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import yaml
 
-from conftest import parity_tolerance, read_metrics
+from support.models import parity_tolerance
+from support.runs import read_metrics
 from jobs import JobInputs, job_fixture
 from spmd_rfdetr.xla.openxla_fix import apply_bridge_fix
 
@@ -98,7 +99,7 @@ def test_fit_trains_with_openxla_as_with_replay_and_skips_a_nan_step(openxla_fit
     differently: measured 6.2e-5 at step 5 on a CI run). Then a real NaN batch at step 6 with
     ``trainer.on_nonfinite=skip_step``: counted, named, and the weights and AdamW state after it are those after
     step 5, bit for bit (the non-finite guard around dynamo's graphs), and the EMA stays finite."""
-    from conftest import read_training_checkpoint
+    from support.models import read_training_checkpoint
 
     result, out = openxla_fit
     assert result.returncode == 0, result.stderr[-4000:]

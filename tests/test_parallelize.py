@@ -15,7 +15,7 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
-from conftest import parity_tolerance
+from support.models import parity_tolerance
 from jobs import JobInputs, job_fixture
 
 from spmd_rfdetr.config.options import ConfigError, MeshOptions, RunConfig
@@ -292,7 +292,7 @@ def fsdp_child(inputs: JobInputs, out: Path) -> subprocess.CompletedProcess[str]
     """:data:`CHILD` on 8 devices from the tiny model's initial weights on its first 3 batches."""
     import dataclasses
 
-    from conftest import TINY_MAX_TARGETS, TINY_MODEL
+    from support.models import TINY_MAX_TARGETS, TINY_MODEL
 
     torch.save({"batches": inputs.tiny.batches[:3], "init": inputs.tiny.init_state}, out / "inputs.pt")
     args = {"inputs": str(out / "inputs.pt"), "model": dataclasses.asdict(TINY_MODEL), "max_targets": TINY_MAX_TARGETS,

@@ -17,7 +17,8 @@ import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
 
-from conftest import EVAL_EVERY, FIT_WARMUP, LOOP_STEPS, loop_config, read_metrics, sigterm_after
+from support.models import EVAL_EVERY, FIT_WARMUP, LOOP_STEPS, loop_config
+from support.runs import read_metrics, sigterm_after
 from spmd_rfdetr.config.options import OptimOptions
 from spmd_rfdetr.training.metrics import xla_counters
 from spmd_rfdetr.training.optim import DeviceLRSchedule, lr_factor
@@ -270,7 +271,7 @@ def test_precompiled_programs_leave_the_state_alone_and_train_as_compiled_at_fir
 def test_a_program_dropped_from_the_compilation_cache_is_compiled_again(mesh_trainer):
     """torch_xla's compilation cache is an LRU (``XLA_COMPILATION_CACHE_SIZE``, bounded in conftest): a replayed
     program it dropped is traced and compiled again, not a crash."""
-    from conftest import COMPILATION_CACHE_SIZE
+    from support.environment import COMPILATION_CACHE_SIZE
 
     weight = torch.zeros(4, device=torch_xla.device())
     torch_xla.sync()

@@ -17,8 +17,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import (LOOP_STEPS, NOISE, PREEMPTED_EVAL_EVERY, PREEMPTED_SIGTERM_STEP, XLA_NOTE, PreemptedRun, noise,
-                      read_metrics, sigterm_after)
+from support.models import LOOP_STEPS, PREEMPTED_EVAL_EVERY, PREEMPTED_SIGTERM_STEP
+from support.runs import NOISE, XLA_NOTE, PreemptedRun, noise, read_metrics, sigterm_after
 from spmd_rfdetr.data.batches import SeededSamples, TrainBatches
 
 
@@ -197,7 +197,7 @@ def test_a_nan_step_stops_fit_or_is_skipped(tiny, synth_dir: str, loop_run: Path
     ``stop`` ends the run there, naming the step, with the step-4 checkpoint finite and no last.pth; ``skip_step``
     trains on with exactly one skipped step and finite weights, until a real SIGTERM after step 8 stops it (it
     finishes the step in flight and saves a finite training state: the run need not go to its end to show it)."""
-    from conftest import loop_config, read_training_checkpoint
+    from support.models import loop_config, read_training_checkpoint
     from spmd_rfdetr.training import loop
     from spmd_rfdetr.xla.loader import NAN_BATCH_ENV
 
@@ -241,7 +241,8 @@ def test_sigterm_during_the_first_compile_exits_at_once(tmp_path: Path):
     import subprocess
     import sys
 
-    from conftest import LOOP_MODEL, ROOT
+    from support.models import LOOP_MODEL
+    from support.runs import ROOT
 
     from spmd_rfdetr.data.synth import synth
 

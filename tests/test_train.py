@@ -11,7 +11,7 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 
-from conftest import FIRST_STEPS, parity_tolerance
+from support.models import FIRST_STEPS, parity_tolerance
 from jobs import JobInputs, job_fixture
 
 from spmd_rfdetr.training.metrics import aten_fallbacks, xla_counters

@@ -20,12 +20,12 @@ from typing import Any
 
 from jsonargparse import CLI, ActionConfigFile, ArgumentParser, set_parsing_settings
 
-from spmd_rfdetr.data import check as checks
-from spmd_rfdetr.xla import hosts
-from spmd_rfdetr.training import loop
 from spmd_rfdetr import quiet
 from spmd_rfdetr.aot.check import AotFailed, DoesNotFit
+from spmd_rfdetr.data import check as checks
+from spmd_rfdetr.training import loop
 from spmd_rfdetr.training.loop import NonFiniteLoss
+from spmd_rfdetr.xla import hosts
 from spmd_rfdetr.config.options import (
     ConfigError,
     DataOptions,

@@ -3,28 +3,29 @@
 SPMD is process-global in torch_xla, so it is switched on once, here, before any XLA tensor exists. Tests that need a
 different device count or no SPMD run a subprocess.
 
-What the suite checks: sharding specs; parity of our step with upstream rfdetr's own step (eager CPU: loss and
-gradients at step 1, then 4 more steps within :func:`parity_tolerance`; on the same XLA device with the same
+What the suite checks: sharding specs; parity of our step with upstream rfdetr's own step (eager CPU: loss and gradients
+at step 1, then 4 more steps within :func:`support.models.parity_tolerance`; on the same XLA device with the same
 capturable AdamW: 1e-5 at steps 1-2); EMA against upstream's ``AveragedModel``; the TPU compiler's verdict on the tiny
 step for v5e:2x2 (``test_aot.py``: it compiles, donates the training state, runs no collective inside a loop, divides
-its FLOPs over the chips, does not grow with the batch, has no float64 input; an over-large program exits 2);
-torch_xla counters; the solver against SciPy; the CLI in subprocesses (a fit preempted by a real SIGTERM and a SIGKILL
-inside a save, resumed twice; 8 devices with FSDP: the same losses; two processes of one gloo group each replaying the
-step as alone); the LR schedule against rfdetr's own; every config error; the data formats and overflow policies;
-replay against lazy tracing (``test_replay.py``: same losses, 2 Python traces, one compile, a baked Python value
-caught); openxla training against eager and against the replay fit (``test_openxla.py``); prefetch counted by loader
-events (``test_fabric.py``); bf16 convolutions and matrix products in the README script's compiled step
-(``test_readme.py``). ``pytest -m tpu`` on a TPU VM runs the seed's Phase 2a smoke checklist and a preempted fit
-resumed bit for bit on the chip.
+its FLOPs over the chips, does not grow with the batch, has no float64 input; an over-large program exits 2); torch_xla
+counters; the solver against SciPy; the CLI in subprocesses (a fit preempted by a real SIGTERM and a SIGKILL inside a
+save, resumed twice; 8 devices with FSDP: the same losses; two processes of one gloo group each replaying the step as
+alone); the LR schedule against rfdetr's own; every config error; the data formats and overflow policies; replay against
+lazy tracing (``test_replay.py``: same losses, 2 Python traces, one compile, a baked Python value caught); openxla
+training against eager and against the replay fit (``test_openxla.py``); prefetch counted by loader events
+(``test_fabric.py``); bf16 convolutions and matrix products in the README script's compiled step (``test_readme.py``).
+``pytest -m tpu`` on a TPU VM runs the seed's Phase 2a smoke checklist and a preempted fit resumed bit for bit on the
+chip.
 
 How it fits on 2 cores: the suite's subprocesses (CLI fits, the TPU compiler, upstream's step in a child, the benchmark
 and README scripts, two gloo hosts) run as background jobs beside the in-process tests (``jobs.py``: both cores stay
-busy, one thread per process, up to 17 GB of memory in use); the tests of the training loop (preemption and resume,
-step modes, non-finite steps, 8 devices, openxla, multi-scale buckets, the benchmark report, several hosts) train
-:data:`LOOP_MODEL`, RF-DETR Nano with one DINOv2 block and one decoder layer at 64 px (``model.backbone_blocks``),
-while parity with upstream, EMA, accumulation, evaluation and interop use the 12-block :data:`TINY_MODEL`; XLA's CPU
-code generator runs without LLVM optimisation (:data:`CPU_XLA_FLAGS`: compiles 2-3x faster, steps 1.8x slower); the
-fits and the fresh-weights steps are made once per session and read by several tests.
+busy, one thread per process, up to 17 GB of memory in use); the tests of the training loop (preemption and resume, step
+modes, non-finite steps, 8 devices, openxla, multi-scale buckets, the benchmark report, several hosts) train
+:data:`support.models.LOOP_MODEL`, RF-DETR Nano with one DINOv2 block and one decoder layer at 64 px
+(``model.backbone_blocks``), while parity with upstream, EMA, accumulation, evaluation and interop use the 12-block
+:data:`support.models.TINY_MODEL`; XLA's CPU code generator runs without LLVM optimisation
+(:data:`support.environment.CPU_XLA_FLAGS`: compiles 2-3x faster, steps 1.8x slower); the fits and the fresh-weights
+steps are made once per session and read by several tests.
 """
 import glob
 import os

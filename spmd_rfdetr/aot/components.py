@@ -61,7 +61,8 @@ from spmd_rfdetr.aot.op_costs import fused_flops, gather_bytes, instruction_byte
 RULES: list[tuple[str, str]] = [
     # the matcher's solver first: the device auction's While bodies are lowered late, after the optimizer has run,
     # and their ops carry the Python frame of whatever ran then (adam.py, step.py) besides their op name
-    ("matcher: solver", r"^matcher\.solver/|xla__assignment_while|spmd_rfdetr/model/matching\.py|spmd_rfdetr/xla/while_loop\.py"),
+    ("matcher: solver",
+     r"^matcher\.solver/|xla__assignment_while|spmd_rfdetr/model/matching\.py|spmd_rfdetr/xla/while_loop\.py"),
     # the training step's own scopes (labels) and files
     ("EMA", r"^ema/|spmd_rfdetr/training/ema\.py"),
     ("AdamW", r"^adamw/|torch/optim/(adamw?|optimizer)\.py"),

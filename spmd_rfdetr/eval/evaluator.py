@@ -26,10 +26,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from spmd_rfdetr.xla import hosts
-from spmd_rfdetr.eval.coco import MAX_DETS, CocoMetrics, coco_metrics, detections_to_coco, label2cat_of, mask_rles
 from spmd_rfdetr.config.options import RunConfig
 from spmd_rfdetr.eval.batches import eval_loader
+from spmd_rfdetr.eval.coco import MAX_DETS, CocoMetrics, coco_metrics, detections_to_coco, label2cat_of, mask_rles
+from spmd_rfdetr.xla import hosts
 
 
 # ---------------------------------------------------------------------------------------------------------------------

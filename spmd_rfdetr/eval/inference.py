@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from spmd_rfdetr.xla import hosts
+from spmd_rfdetr.config.options import RunConfig
 from spmd_rfdetr.data.check import check_data
 from spmd_rfdetr.eval.coco import label2cat_for
-from spmd_rfdetr.config.options import RunConfig
+from spmd_rfdetr.xla import hosts
 from spmd_rfdetr.eval.evaluator import (
     EvalForward,
     EvalResult,
@@ -26,8 +26,8 @@ from spmd_rfdetr.eval.evaluator import (
     run_detection,
     save_result,
 )
-from spmd_rfdetr.eval.batches import eval_loader
 from spmd_rfdetr.data.images import ImageFolder, eval_transforms
+from spmd_rfdetr.eval.batches import eval_loader
 from spmd_rfdetr.model.weights import inference_config, read_weights
 
 log = logging.getLogger(__name__)

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 
 from spmd_rfdetr.config.options import MeshOptions, ModelOptions, OptimOptions, TrainerOptions
-from spmd_rfdetr.training.ema import DeviceEMA
 from spmd_rfdetr.model.loss import build_criterion
-from spmd_rfdetr.xla.mesh import batch_shard_count
 from spmd_rfdetr.model.upstream import UpstreamConfigs, build_model, build_upstream_criterion
+from spmd_rfdetr.training.ema import DeviceEMA
 from spmd_rfdetr.training.optim import DeviceLRSchedule, build_optimizer
-from spmd_rfdetr.xla.parallelize import parallelize
 from spmd_rfdetr.training.step import TrainStep
+from spmd_rfdetr.xla.mesh import batch_shard_count
+from spmd_rfdetr.xla.parallelize import parallelize
 
 
 @dataclass

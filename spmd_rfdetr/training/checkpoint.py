@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -20,15 +21,19 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+import torch_xla
+import torch_xla.core.xla_model as xm
+from torch.distributed.checkpoint.planner import WriteItemType
+from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
 
-from spmd_rfdetr.xla import hosts
 from spmd_rfdetr.config.options import ConfigError
-
-if TYPE_CHECKING:
-    from spmd_rfdetr.training.build import Trainer
+from spmd_rfdetr.training.build import Trainer, unwrap
+from spmd_rfdetr.xla import hosts
+from spmd_rfdetr.xla.replay import replicate_unannotated
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +50,6 @@ def training_state(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Every device tensor of a run, by a stable name: ``model.*``, ``optim.<param>.<state>``, ``optim.group<i>.<key>``
     (tensor hyper-parameters such as a device learning rate), ``schedule.*``, ``step.*`` (the step's counters) and,
     with EMA, ``ema.*``."""
-    from spmd_rfdetr.training.build import unwrap
-
     model = unwrap(trainer.model)
     state = dict(model.state_dict(keep_vars=True).items())
     state = {f"model.{name}": tensor for name, tensor in state.items()}
@@ -66,9 +69,6 @@ def training_state(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 def save(output_dir: str | Path, step: int, state: dict[str, torch.Tensor], meta: dict[str, Any], keep: int) -> Path:
     """Write ``state`` and ``meta`` as ``checkpoints/step_<step>``, atomically; keep the newest ``keep``."""
-    import torch.distributed.checkpoint as dcp
-    import torch_xla
-
     root = Path(output_dir) / CHECKPOINTS
     final = root / f"step_{step:08d}"
     partial = root / f".{final.name}.partial"
@@ -106,11 +106,6 @@ def _save_planner() -> Any:
     along ``data`` has identical local shards; torch_xla 2.9's de-duplication (``MetadataIndex`` compares without its
     shard index) removes every copy of such a shard within one process, so the tensor silently vanished from the
     checkpoint (measured)."""
-    import dataclasses
-
-    from torch.distributed.checkpoint.planner import WriteItemType
-    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
-
     class DistinctShards(SPMDSavePlanner):
         def create_local_plan(self) -> Any:
             plan = super().create_local_plan()
@@ -153,13 +148,6 @@ def load(path: str | Path, state: dict[str, torch.Tensor]) -> dict[str, Any]:
     alias ``torch.distributed.checkpoint`` writes to, they traced a different graph at the step after the resume than
     at the one after it (an extra ``split`` node), so the replayed step's check refused replay (measured, torch_xla 2.9).
     """
-    import torch.distributed.checkpoint as dcp
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
-
-    from spmd_rfdetr.xla.replay import replicate_unannotated
-
     path = Path(path)
     if not (path / _META).is_file() or not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete spmd_rfdetr checkpoint (no {_META} or .metadata)")
@@ -187,8 +175,6 @@ def load(path: str | Path, state: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def _is_sharded(tensor: torch.Tensor) -> bool:
-    import torch_xla
-
     if tensor.device.type != "xla":
         return False
     spec = torch_xla._XLAC._get_xla_sharding_spec(tensor)
@@ -197,8 +183,6 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
 
 def save_weights(path: str | Path, weights: torch.nn.Module, meta: dict[str, Any]) -> Path:
     """Write a plain ``torch.load`` weight file (CPU tensors) via a temporary name, then publish it (host 0 only)."""
-    import torch_xla
-
     torch_xla.sync()
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial")

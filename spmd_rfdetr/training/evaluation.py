@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch_xla
 
 from spmd_rfdetr.config.options import RunConfig
+from spmd_rfdetr.data.splits import build_eval_split
 from spmd_rfdetr.eval.evaluator import Evaluator, evaluator_for, refresh_parameter_data, save_result
+from spmd_rfdetr.xla.fabric import replicate_parameters
 
 
 @contextlib.contextmanager
@@ -27,8 +30,6 @@ def borrowed_weights(module: torch.nn.Module, source: torch.nn.Module) -> Iterat
     the 4-device CPU mesh). ``source`` must have the same tensors in the same order, with the same shapes, dtypes and
     shardings: ``fit``'s EMA copy and the model it averages (a deep copy, made after the parameters were sharded).
     """
-    import torch_xla
-
     spec = torch_xla._XLAC._get_xla_sharding_spec
     ours, theirs = [*module.parameters(), *module.buffers()], [*source.parameters(), *source.buffers()]
     different = len(ours) != len(theirs) or any(
@@ -138,9 +139,6 @@ def fit_evaluation(cfg: RunConfig, cfgs: Any, model: torch.nn.Module, fabric: An
     every_steps = cfg.eval.every_steps if every_steps is None else every_steps
     if every_steps <= 0:
         return None
-    from spmd_rfdetr.data.splits import build_eval_split
-    from spmd_rfdetr.xla.fabric import replicate_parameters
-
     e = cfg.eval
     evaluator = evaluator_for(cfg, cfgs, model, fabric, build_eval_split(cfgs, e.split))
     if raw_model is not None:

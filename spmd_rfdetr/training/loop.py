@@ -44,6 +44,7 @@ def fit(cfg: RunConfig) -> Path:
     with Preemption(hint) as preemption:
         started = time.perf_counter()
         setup_runtime(cfg.mesh, cfg.trainer.compile_cache_dir)
-        from spmd_rfdetr.training.run import train  # lazy: it imports torch_xla, which starts on the device chosen above
+        # lazy: the run imports torch_xla, which must start on the device setup_runtime chose
+        from spmd_rfdetr.training.run import train
 
         return train(cfg, preemption, started)

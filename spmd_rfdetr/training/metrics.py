@@ -154,7 +154,7 @@ class MetricsLog:
 
 def build_loggers(names: Sequence[str], output_dir: str | Path) -> list[Any]:
     """Lightning Fabric's loggers by name (``tensorboard``, ``csv``), writing under ``<output_dir>/logs``."""
-    from lightning_fabric.loggers import CSVLogger, TensorBoardLogger
+    from lightning_fabric.loggers import CSVLogger, TensorBoardLogger  # lazy: tensorboard's import only when asked for
 
     kinds = {"tensorboard": TensorBoardLogger, "csv": CSVLogger}
     return [kinds[name](root_dir=str(Path(output_dir) / "logs"), name=name) for name in names]

@@ -31,7 +31,8 @@ def train(cfg: Any, preemption: Preemption, started: float) -> Path:
     steplog = StepLog(run, trainer.step, data, preemption, start, started)
     evaluation = setup.evaluation(run, trainer, meta)  # None when off
     if meta.get("early_stopped"):  # a relaunch (--trainer.resume auto) of a run that stopped early trains no more
-        log.info("%s: this run stopped early at step %d (early stopping); nothing left to train", run.resume_from, start)
+        log.info("%s: this run stopped early at step %d (early stopping); nothing left to train", run.resume_from,
+                 start)
         steplog.close()
         return saver.weights("last.pth", start)
 

@@ -53,9 +53,10 @@ import torch_xla
 from spmd_rfdetr.data.pixels import normalize_images
 from spmd_rfdetr.model.inputs import as_samples
 from spmd_rfdetr.model.loss import total_loss
+from spmd_rfdetr.xla.lowering import Lowered
+from spmd_rfdetr.xla.openxla_fix import apply_bridge_fix
 from spmd_rfdetr.xla.parallelize import init_optimizer_state
 from spmd_rfdetr.xla.replay import Replayer, ReplayUnsafe, replicate_unannotated
-from spmd_rfdetr.xla.lowering import Lowered
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +165,6 @@ class TrainStep:
         self._replayer = Replayer(self._step, self.state)
         self._compiled = torch_xla.compile(self._step, full_graph=full_graph, name="train_step")
         if self.mode == "openxla":
-            from spmd_rfdetr.xla.openxla_fix import apply_bridge_fix
-
             apply_bridge_fix()
             self._compiled = torch.compile(self._step, backend="openxla")
 

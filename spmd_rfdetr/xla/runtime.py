@@ -17,8 +17,8 @@ import uuid
 from pathlib import Path
 
 from spmd_rfdetr.config.options import MeshOptions
-from spmd_rfdetr.xla.hosts import any_host, barrier, from_coordinator, is_coordinator, join_hosts, process_count
 from spmd_rfdetr.quiet import xla_note
+from spmd_rfdetr.xla.hosts import any_host, barrier, from_coordinator, is_coordinator, join_hosts, process_count
 
 log = logging.getLogger(__name__)
 

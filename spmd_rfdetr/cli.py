@@ -122,6 +122,7 @@ def plan(
         checkpointing: Accepted so a training config can be passed as is.
         variants: Which variants (default: nano, small, medium, large, base).
     """
+    # lazy: a verb imports what it runs, after quiet.configure and the device choice
     from spmd_rfdetr.aot.plan import VARIANTS, format_plan, memory_plan
 
     if mesh.fsdp < 1 or mesh.fsdp_min_numel < 1:
@@ -166,6 +167,7 @@ def aot(
         eval: Eval batch size and detections per image (the eval program).
         checkpointing: Accepted so a training config can be passed as is.
     """
+    # lazy: a verb imports what it runs, after quiet.configure and the device choice
     from spmd_rfdetr.aot.check import aot_check
 
     cfg = RunConfig(
@@ -207,6 +209,7 @@ def validate(
         eval: Split, eval batch size and detections per image.
         checkpointing: Unused (accepted so a training config can be passed as is).
     """
+    # lazy: a verb imports what it runs, after quiet.configure and the device choice
     from spmd_rfdetr.eval import inference
 
     cfg = RunConfig(
@@ -244,6 +247,7 @@ def predict(
         eval: Eval batch size and detections per image.
         checkpointing: Unused (accepted so a training config can be passed as is).
     """
+    # lazy: a verb imports what it runs, after quiet.configure and the device choice
     from spmd_rfdetr.eval import inference
 
     cfg = RunConfig(
@@ -276,6 +280,7 @@ def export(
         opset_version: ONNX opset.
         model: Which RF-DETR to build, for checkpoints that do not record it (a ``fit`` checkpoint's wins).
     """
+    # lazy: a verb imports what it runs, after quiet.configure and the device choice
     from spmd_rfdetr.model.export import MissingExportDependencies, export_checkpoint
 
     try:

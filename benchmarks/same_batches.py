@@ -1,0 +1,112 @@
+#!/usr/bin/env python
+"""Upstream rfdetr's own training step fed a ``fit`` run's exact batches: the bisection arm of issue 33.
+
+``benchmarks/convergence.py --compare upstream`` trains both trainers with their own data order, augmentation draws
+and initial weights. This arm takes all three from a finished ``fit`` run (its ``config.yaml``: the same seed gives
+the same initial weights, and ``make_train_loader`` the same batches, a pure function of the seed and the step) and
+trains them with upstream's own pieces in eager float32 on the CPU, in a process without XLA: rfdetr's model,
+``SetCriterion`` (SciPy matcher) and the weighted loss sum of its ``training_step``, ``torch.optim.AdamW`` over
+rfdetr's ``get_param_dict`` groups (its ``configure_optimizers``), ``clip_grad_norm_`` (Lightning's ``norm``
+clipping), our LR factor as a ``LambdaLR`` (what ``--match-lr`` gives upstream's trainer) and rfdetr's
+``RFDETREMACallback`` average (``AveragedModel`` with its own ``_multi_avg_fn``). The final EMA weights are scored as
+``convergence.py`` scores both others (upstream's eager PostProcess and CocoEvaluator on the valid split).
+
+If this arm lands on ours, the gap to upstream's own trainer is data order, augmentation draws or initial weights;
+if it lands on upstream's trainer, it is our step. Step 1's loss must equal the run's own step 1 (same weights, same
+batch): the script prints both.
+
+    python benchmarks/same_batches.py --run /tmp/compare/ours-42 --out /tmp/same/42
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def train_on_run_batches(run: Path, out: Path) -> dict:
+    """Upstream's step on ``run``'s batches from ``run``'s initial weights; returns the losses and the EMA file."""
+    import torch
+    from lightning_fabric.utilities.seed import seed_everything
+    from rfdetr.training.callbacks.ema import RFDETREMACallback
+    from rfdetr.utilities.tensors import nested_tensor_from_tensor_list
+    from torch.optim.swa_utils import AveragedModel
+
+    from spmd_rfdetr.cli import run_config
+    from spmd_rfdetr.data.batches import make_train_loader
+    from spmd_rfdetr.data.pixels import upstream_float
+    from spmd_rfdetr.data.splits import build_split, num_classes_in
+    from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
+    from spmd_rfdetr.training.optim import build_optimizer, lr_factor
+
+    cfg = run_config(["--config", str(run / "config.yaml")])
+    d, o, t = cfg.data, cfg.optim, cfg.trainer
+    seed_everything(t.seed)  # as fit: Fabric's seed_everything, then the split, then the model
+    cfgs = upstream_configs(cfg.model, d, o, cfg.model.num_classes or num_classes_in(d.dataset_dir),
+                            cfg.eval.num_select)
+    train_set = build_split(cfgs, "train")
+    net = build_model(cfgs).train()
+    criterion = build_upstream_criterion(cfgs)[0].train()
+    optimizer = build_optimizer(net, cfgs)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, functools.partial(lr_factor, optim=o, max_steps=t.max_steps))
+    ema_rule = RFDETREMACallback(decay=cfg.model.ema_decay, tau=cfg.model.ema_tau)
+    ema = AveragedModel(net, use_buffers=True, multi_avg_fn=ema_rule._multi_avg_fn)
+    batches = iter(make_train_loader(train_set, d, cfgs.model.resolution, seed=t.seed))
+    losses, started = [], time.perf_counter()
+    for step in range(1, t.max_steps + 1):
+        batch = next(batches)
+        targets = [{"labels": labels[keep], "boxes": boxes[keep]}
+                   for labels, boxes, keep in zip(batch["labels"], batch["boxes"], batch["valid"])]
+        samples = nested_tensor_from_tensor_list(list(upstream_float(batch["images"])))
+        optimizer.zero_grad(set_to_none=True)
+        loss_dict = criterion(net(samples, targets), targets)
+        loss = torch.stack([loss_dict[k] * w for k, w in criterion.weight_dict.items() if k in loss_dict]).sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), o.clip_max_norm)
+        optimizer.step()
+        schedule.step()
+        ema.update_parameters(net)
+        losses.append(loss.item())
+        if step % 10 == 0 or step == 1:
+            print(f"step {step}/{t.max_steps} loss {losses[-1]:.4f} ({time.perf_counter() - started:.0f} s)",
+                  flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = out / "ema.pth"
+    torch.save({"model": ema.module.state_dict()}, weights)
+    return {"losses": losses, "weights": str(weights)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", type=Path, required=True, help="a finished fit run dir (config.yaml, metrics.jsonl)")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    from convergence import upstream_eager_stats
+
+    from spmd_rfdetr.eval.coco import stat_names
+
+    result = train_on_run_batches(args.run, args.out)
+    records = [json.loads(line) for line in (args.run / "metrics.jsonl").read_text().splitlines()]
+    ours = {r["step"]: r["loss"] for r in records if "loss" in r}
+    print(f"step 1 loss: this arm {result['losses'][0]:.6f}, the run's {ours.get(1)}")
+    max_dets = json.loads(sorted((args.run / "eval").glob("*_coco_eval.json"))[-1].read_text())["max_dets"]
+    stats = dict(zip(stat_names(max_dets), upstream_eager_stats(args.run / "last.pth", "valid",
+                                                                Path(result["weights"]))))
+    print(f"upstream's step on the run's batches: mAP {stats['mAP']:.4f} mAP50 {stats['mAP50']:.4f} "
+          f"mAP75 {stats['mAP75']:.4f}")
+    (args.out / "result.json").write_text(json.dumps({**result, "final": stats, "run": str(args.run),
+                                                      "run_losses": ours}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -54,10 +53,8 @@ def main() -> None:
         xr.use_spmd()
     import torch_xla.distributed.spmd as xs
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from test_matching import detr_costs
-
-    from spmd_rfdetr.matching import solve_assignment_with_stats
+    from spmd_rfdetr.model.matching import solve_assignment_with_stats
+    from spmd_rfdetr.model.matching_problems import detr_costs
 
     torch.set_num_threads(1)
     device = torch_xla.device()

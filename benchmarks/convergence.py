@@ -54,10 +54,10 @@ def upstream_eager_stats(checkpoint: Path, split: str, weights: Path | None = No
     from rfdetr.datasets import get_coco_api_from_dataset
     from rfdetr.evaluation.coco_eval import CocoEvaluator
 
-    from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions
-    from spmd_rfdetr.data import upstream_split
-    from spmd_rfdetr.model import build_model, build_upstream_criterion, upstream_configs
-    from spmd_rfdetr.step import as_samples
+    from spmd_rfdetr.config.options import DataOptions, ModelOptions, OptimOptions
+    from spmd_rfdetr.data.splits import upstream_split
+    from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
+    from spmd_rfdetr.model.inputs import as_samples
 
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)
     c = state["config"]
@@ -100,13 +100,13 @@ NOT_MATCHED = [
 def upstream_train_kwargs(cfg: Any, epochs: int, steps_per_epoch: int, eval_epochs: int, seed: int,
                           output_dir: Path, match_lr: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """rfdetr's ``RFDETR<Variant>(**model)`` and ``.train(**train)`` arguments for our ``RunConfig`` ``cfg``;
-    ``match_lr``: upstream gets our exact LR factor per optimizer step (:func:`spmd_rfdetr.model.lr_factor`, warm-up
+    ``match_lr``: upstream gets our exact LR factor per optimizer step (:func:`spmd_rfdetr.training.optim.lr_factor`, warm-up
     included) as a ``LambdaLR`` through its ``lr_scheduler`` hook, instead of its own managed schedule."""
     m, d, o = cfg.model, cfg.data, cfg.optim
     if o.schedule not in ("cosine", "step") or o.accumulate != 1 or d.multi_scale:
         raise SystemExit("--compare upstream: needs optim.schedule cosine/step, optim.accumulate 1, no multi_scale")
-    from spmd_rfdetr.data import num_classes_in
-    from spmd_rfdetr.model import upstream_configs
+    from spmd_rfdetr.data.splits import num_classes_in
+    from spmd_rfdetr.model.upstream import upstream_configs
 
     ours = upstream_configs(m, d, o, m.num_classes or num_classes_in(d.dataset_dir)).model  # as fit builds it
     model = {"pretrain_weights": ours.pretrain_weights, "resolution": ours.resolution,
@@ -129,7 +129,7 @@ def upstream_train_kwargs(cfg: Any, epochs: int, steps_per_epoch: int, eval_epoc
 
         import torch
 
-        from spmd_rfdetr.model import lr_factor
+        from spmd_rfdetr.training.optim import lr_factor
 
         factor = functools.partial(lr_factor, optim=o, max_steps=epochs * steps_per_epoch)
         train.update(lr_scheduler=functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=factor),
@@ -143,7 +143,7 @@ def upstream_train(config: str, data: Path, epochs: int, eval_epochs: int, seed:
     import rfdetr
 
     from spmd_rfdetr.cli import run_config
-    from spmd_rfdetr.config import VARIANT_CONFIGS, resolved_weights
+    from spmd_rfdetr.config.options import VARIANT_CONFIGS, resolved_weights
 
     cfg = run_config(["--config", config, "--data.dataset_dir", str(data), "--eval.max_dets", str(max_dets)])
     cfg.model.pretrain_weights = resolved_weights(cfg.model)
@@ -165,7 +165,7 @@ def compare_upstream(args: argparse.Namespace, data: Path, work: Path) -> int:
     """``--compare upstream``: both trainers per seed, both final EMA weights scored by upstream's evaluator."""
     import csv
 
-    from spmd_rfdetr.coco import stat_names
+    from spmd_rfdetr.eval.coco import stat_names
 
     steps_per_epoch = _train_images(data) // _global_batch(args.config)
     runs: dict[str, list[dict[str, Any]]] = {"ours": [], "upstream": []}
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
              for r in records if "eval/mAP" in r]
     child = subprocess.run([sys.executable, __file__, "--_upstream", str(out / "last.pth")], cwd=ROOT, check=True,
                            capture_output=True, text=True, env=_env_without_xla())
-    from spmd_rfdetr.coco import stat_names
+    from spmd_rfdetr.eval.coco import stat_names
 
     max_dets = json.loads((out / "eval" / f"step{records[-1]['step']:07d}_coco_eval.json").read_text())["max_dets"]
     upstream = dict(zip(stat_names(max_dets), json.loads(child.stdout.strip().splitlines()[-1])))

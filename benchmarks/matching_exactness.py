@@ -1,4 +1,4 @@
-"""Exactness of ``spmd_rfdetr.matching.solve_assignment`` against SciPy, with the numbers behind the tests.
+"""Exactness of ``spmd_rfdetr.model.matching.solve_assignment`` against SciPy, with the numbers behind the tests.
 
 Runs DETR-like and degenerate problem families in eager CPU torch (the same code the XLA graph runs), and prints the
 distribution of relative errors of the total cost, the worst cases, and how many loop rounds problems needed.
@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_matching import SWEEP, compare_with_scipy, detr_costs  # noqa: E402
-
-from spmd_rfdetr.matching import solve_assignment_with_stats  # noqa: E402
+from spmd_rfdetr.model.matching import solve_assignment_with_stats
+from spmd_rfdetr.model.matching_problems import SWEEP, compare_with_scipy, detr_costs
 
 
 def degenerate_families(generator: torch.Generator, scale: float) -> list[tuple[str, torch.Tensor, torch.Tensor]]:

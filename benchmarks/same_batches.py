@@ -49,8 +49,11 @@ def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_k
     from torch.optim.swa_utils import AveragedModel
 
     from spmd_rfdetr.cli import run_config
-    from spmd_rfdetr.data import build_split, make_train_loader, num_classes_in, upstream_float
-    from spmd_rfdetr.model import build_model, build_optimizer, build_upstream_criterion, lr_factor, upstream_configs
+    from spmd_rfdetr.data.batches import make_train_loader
+    from spmd_rfdetr.data.pixels import upstream_float
+    from spmd_rfdetr.data.splits import build_split, num_classes_in
+    from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
+    from spmd_rfdetr.training.optim import build_optimizer, lr_factor
 
     cfg = run_config(["--config", str(run / "config.yaml")])
     d, o, t = cfg.data, cfg.optim, cfg.trainer
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from convergence import upstream_eager_stats
 
-    from spmd_rfdetr.coco import stat_names
+    from spmd_rfdetr.eval.coco import stat_names
 
     result = train_on_run_batches(args.run, args.out, args.perturb, args.criterion)
     records = [json.loads(line) for line in (args.run / "metrics.jsonl").read_text().splitlines()]

@@ -76,8 +76,8 @@ def train(variant: str | None = None, *, config: str | None = None, epochs: floa
     from spmd_rfdetr.cli import LOG_FORMAT, run_config
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # the CLI's log lines (a no-op if logging is set up)
-    from spmd_rfdetr.hosts import leave_hosts
-    from spmd_rfdetr.loop import fit
+    from spmd_rfdetr.xla.hosts import leave_hosts
+    from spmd_rfdetr.training.loop import fit
 
     cfg = run_config(fit_arguments(variant, config=config, epochs=epochs, max_steps=max_steps, options=options,
                                    **upstream))
@@ -91,7 +91,7 @@ def train(variant: str | None = None, *, config: str | None = None, epochs: floa
 def fit_arguments(variant: str | None = None, *, config: str | None = None, epochs: float | None = None,
                   max_steps: int | None = None, options: dict[str, Any] | None = None, **upstream: Any) -> list[str]:
     """:func:`train`'s arguments as ``fit``'s command line (``--config`` first: the options after it override it)."""
-    from spmd_rfdetr.config import ConfigError
+    from spmd_rfdetr.config.options import ConfigError
 
     unknown = sorted(set(upstream) - set(UPSTREAM_NAMES))
     if unknown:

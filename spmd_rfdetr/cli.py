@@ -20,10 +20,13 @@ from typing import Any
 
 from jsonargparse import CLI, ActionConfigFile, ArgumentParser, set_parsing_settings
 
-from spmd_rfdetr import checks, hosts, loop, quiet
+from spmd_rfdetr import quiet
 from spmd_rfdetr.aot.check import AotFailed, DoesNotFit
-from spmd_rfdetr.loop import NonFiniteLoss
-from spmd_rfdetr.config import (
+from spmd_rfdetr.data import check as checks
+from spmd_rfdetr.training import loop
+from spmd_rfdetr.training.loop import NonFiniteLoss
+from spmd_rfdetr.xla import hosts
+from spmd_rfdetr.config.options import (
     ConfigError,
     DataOptions,
     CheckpointOptions,
@@ -34,8 +37,9 @@ from spmd_rfdetr.config import (
     RunConfig,
     TrainerOptions,
 )
-from spmd_rfdetr.resolve import resolve_and_check
-from spmd_rfdetr.synth import synth
+from spmd_rfdetr.config.resolve import resolve_and_check
+from spmd_rfdetr.data.check_report import DataError
+from spmd_rfdetr.data.synth import synth
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)  # each config field's docstring is its --help
 
@@ -118,7 +122,8 @@ def plan(
         checkpointing: Accepted so a training config can be passed as is.
         variants: Which variants (default: nano, small, medium, large, base).
     """
-    from spmd_rfdetr.plan import VARIANTS, format_plan, memory_plan
+    # lazy: a verb imports what it runs, after quiet.configure and the device choice
+    from spmd_rfdetr.aot.plan import VARIANTS, format_plan, memory_plan
 
     if mesh.fsdp < 1 or mesh.fsdp_min_numel < 1:
         raise ConfigError(f"mesh.fsdp={mesh.fsdp} and mesh.fsdp_min_numel={mesh.fsdp_min_numel} must be >= 1")
@@ -162,6 +167,7 @@ def aot(
         eval: Eval batch size and detections per image (the eval program).
         checkpointing: Accepted so a training config can be passed as is.
     """
+    # lazy: a verb imports what it runs, after quiet.configure and the device choice
     from spmd_rfdetr.aot.check import aot_check
 
     cfg = RunConfig(
@@ -203,7 +209,8 @@ def validate(
         eval: Split, eval batch size and detections per image.
         checkpointing: Unused (accepted so a training config can be passed as is).
     """
-    from spmd_rfdetr import inference
+    # lazy: a verb imports what it runs, after quiet.configure and the device choice
+    from spmd_rfdetr.eval import inference
 
     cfg = RunConfig(
         model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing
@@ -240,7 +247,8 @@ def predict(
         eval: Eval batch size and detections per image.
         checkpointing: Unused (accepted so a training config can be passed as is).
     """
-    from spmd_rfdetr import inference
+    # lazy: a verb imports what it runs, after quiet.configure and the device choice
+    from spmd_rfdetr.eval import inference
 
     cfg = RunConfig(
         model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing
@@ -272,7 +280,8 @@ def export(
         opset_version: ONNX opset.
         model: Which RF-DETR to build, for checkpoints that do not record it (a ``fit`` checkpoint's wins).
     """
-    from spmd_rfdetr.export import MissingExportDependencies, export_checkpoint
+    # lazy: a verb imports what it runs, after quiet.configure and the device choice
+    from spmd_rfdetr.model.export import MissingExportDependencies, export_checkpoint
 
     try:
         return export_checkpoint(checkpoint, format, output, model=model, batch_size=batch_size,
@@ -283,7 +292,7 @@ def export(
 
 
 #: Errors the user fixes in the config, the data or a path: one message and exit status 2.
-USER_ERRORS = (ConfigError, checks.DataError, FileNotFoundError, ArgumentError)
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError, ArgumentError)
 DEBUG_ENV = "SPMD_RFDETR_DEBUG"
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 

@@ -18,14 +18,19 @@ in-process test set meanwhile. conftest prints each job's time at the end of the
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+
+from support.models import loop_config
 
 
 @dataclass(frozen=True)
@@ -114,3 +119,49 @@ class Background:
     def close(self) -> None:
         """Drop the jobs not started (a session stopped early); the running one finishes."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+# The scheduling: the tests that read a job run last, the jobs of the selected tests start with the session.
+
+
+def job_order(item: pytest.Item) -> int:
+    """0 for a test that reads no background job, else how far from the end of ``jobs.JOBS`` (the order the worker
+    runs them in) the last of its jobs is, plus 1."""
+    order = list(JOBS.values())
+    return max((len(order) - order.index(job) for job in jobs_of(item)), default=0)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests that read a background job (``jobs.py``) run after the others, those of the last jobs first: a job
+    the worker has not started by then runs in this process's thread (``jobs.Background``)."""
+    items.sort(key=job_order)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Background]:
+    """The selected tests' jobs (``jobs.py``), started now, one at a time, in the order of ``jobs.JOBS``."""
+    needed = {job for item in request.session.items for job in jobs_of(item)}
+    jobs = [job for job in JOBS.values() if job in needed]
+    inputs = None
+    if jobs:
+        synth_dir, tiny = request.getfixturevalue("synth_dir"), request.getfixturevalue("tiny")
+        base = tmp_path_factory.mktemp("loop-config")
+        config = base / "config.yaml"
+        loop = dataclasses.asdict(loop_config(tiny, synth_dir, base, "replay"))
+        config.write_text(yaml.safe_dump(loop, sort_keys=False))
+        inputs = JobInputs(synth_dir, tiny, request.getfixturevalue("loop_tiny"), config, dict(os.environ))
+    jobs_running = Background(inputs, jobs, tmp_path_factory.mktemp("jobs"))
+    _SESSION_JOBS.append(jobs_running)
+    yield jobs_running
+    jobs_running.close()
+
+
+_SESSION_JOBS: list[Background] = []
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Each background job's time, after the durations (what to cut when the suite grows)."""
+    for jobs_running in _SESSION_JOBS:
+        if jobs_running.ended:
+            terminalreporter.write_sep("-", "background jobs")
+            terminalreporter.write_line(jobs_running.summary())

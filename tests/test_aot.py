@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import LOOP_MODEL
+from support.models import LOOP_MODEL
 from jobs import JobInputs, job_fixture
 from spmd_rfdetr.aot.hlo_report import parse_module
 from test_cli import ROOT, run_cli
@@ -42,7 +42,7 @@ LARGE_BATCH = 8
 
 def tiny_config(per_device: int | None = None):
     """``configs/cpu.yaml`` (3 classes, no dataset needed) on 4 virtual devices."""
-    from spmd_rfdetr.config import RunConfig
+    from spmd_rfdetr.config.options import RunConfig
 
     cfg = RunConfig()
     for section, fields in yaml.safe_load(CONFIG.read_text()).items():
@@ -77,7 +77,7 @@ def verb(inputs: JobInputs, out: Path) -> dict:
 def large_batch_trace(inputs: JobInputs, out: Path) -> dict:
     """The tiny config's training step as traced for the compiler (not compiled) at :data:`LARGE_BATCH` per chip."""
     from spmd_rfdetr.aot.check import trace
-    from spmd_rfdetr.resolve import resolve_and_check
+    from spmd_rfdetr.config.resolve import resolve_and_check
 
     cfg = tiny_config(per_device=LARGE_BATCH)
     resolve_and_check(cfg, 4)
@@ -150,8 +150,8 @@ def test_a_program_that_does_not_fit_is_exit_2_with_the_compilers_numbers(tmp_pa
     import torch_xla.distributed.spmd as xs
 
     from spmd_rfdetr.aot.check import DoesNotFit, compile_traced, does_not_fit
-    from spmd_rfdetr.mesh import build_mesh
-    from spmd_rfdetr.replay import lower
+    from spmd_rfdetr.xla.mesh import build_mesh
+    from spmd_rfdetr.xla.lowering import lower
 
     mesh, device = build_mesh(), torch_xla.device()
     weight = torch.randn(1024, 1024).to(device)

@@ -338,7 +338,7 @@ STEP = f"""HloModule jit_train_step, is_scheduled=true, num_partitions=1
   %b = (s32[]{{:T(128)}}, f32[4,100]{{1,0:T(4,128)}}) parameter(0)
   %gte.1 = s32[]{{:T(128)}} get-tuple-element(%b), index=0
   %gte.2 = f32[4,100]{{1,0:T(4,128)}} get-tuple-element(%b), index=1
-  %multiply.1 = f32[4,100]{{1,0:T(4,128)}} multiply(%gte.2, %gte.2), metadata={{op_name="matcher.solver/xla__assignment_while/call.7/aten__mul" source_file="/work/spmd_rfdetr/matching.py" source_line=240}}
+  %multiply.1 = f32[4,100]{{1,0:T(4,128)}} multiply(%gte.2, %gte.2), metadata={{op_name="matcher.solver/xla__assignment_while/call.7/aten__mul" source_file="/work/spmd_rfdetr/model/matching.py" source_line=240}}
   %add.2 = s32[]{{:T(128)}} add(%gte.1, %gte.1), metadata={{op_name="matcher.solver/xla__assignment_while/call.7/aten__add"}}
   ROOT %tuple.1 = (s32[]{{:T(128)}}, f32[4,100]{{1,0:T(4,128)}}) tuple(%add.2, %multiply.1)
 }}
@@ -365,7 +365,7 @@ ENTRY %main.1_spmd (param.0: bf16[16,64], param.1: bf16[64,32], param.2: f32[8,3
   %reshape.1 = f32[256]{{0:T(256)}} reshape(%add.1), metadata={{op_name="transformer.decoder.layers.0.cross_attn/aten__view" source_file="{SITE}/rfdetr/models/ops/functions/ms_deform_attn_func.py" source_line=80}}
   %slice-start.1 = ((f32[8,16]{{1,0:T(8,128)}}), f32[4,16]{{1,0:T(8,128)S(1)}}, s32[]{{:S(2)}}) slice-start(%param.3), slice={{[0:4], [0:16]}}
   %slice-done.1 = f32[4,16]{{1,0:T(8,128)S(1)}} slice-done(%slice-start.1)
-  %fusion.3 = f32[10,16]{{1,0:T(8,128)}} fusion(%slice-done.1, %param.4), kind=kCustom, calls=%fused_rows, metadata={{op_name="criterion/aten__gather" source_file="/work/spmd_rfdetr/loss.py" source_line=300}}
+  %fusion.3 = f32[10,16]{{1,0:T(8,128)}} fusion(%slice-done.1, %param.4), kind=kCustom, calls=%fused_rows, metadata={{op_name="criterion/aten__gather" source_file="/work/spmd_rfdetr/model/loss.py" source_line=300}}
   %while.1 = (s32[]{{:T(128)}}, f32[4,100]{{1,0:T(4,128)}}) while(%param.5), condition=%solver_cond, body=%solver_body
   ROOT %tuple.9 = (bf16[16,32]{{1,0:T(8,128)(2,1)}}, f32[256]{{0:T(256)}}, f32[10,16]{{1,0:T(8,128)}}, f32[8,32]{{1,0:T(8,128)}}) tuple(%fusion.1, %reshape.1, %fusion.3, %fusion.4)
 }}
@@ -419,7 +419,7 @@ def test_gather_fusion_priced_by_the_compiler() -> None:
 @pytest.mark.parametrize("key, component", [
     ("transformer.decoder.layers.2.self_attn/aten__bmm|/x/torch/functional.py:12", "decoder self-attention"),
     ("backward/transformer.decoder.layers.2.self_attn/aten__bmm|", "decoder self-attention (backward)"),
-    ("transformer.decoder.layers.0.cross_attn/aten__index_select|/work/spmd_rfdetr/mesh.py:150",
+    ("transformer.decoder.layers.0.cross_attn/aten__index_select|/work/spmd_rfdetr/xla/mesh.py:150",
      "deformable cross-attention: sampler"),
     ("transformer.decoder.layers.0.cross_attn.value_proj/aten__mm|/x/torch/nn/modules/linear.py:134",
      "deformable cross-attention"),
@@ -431,11 +431,11 @@ def test_gather_fusion_priced_by_the_compiler() -> None:
     ("matcher.cost/aten__cdist|/x/rfdetr/models/matcher.py:80", "matcher: cost"),
     ("criterion/aten__sub|/x/rfdetr/utilities/box_ops.py:130", "criterion: GIoU"),
     ("criterion/aten__abs|/x/torch/nn/functional.py:3770", "criterion: box (L1)"),
-    ("criterion.masks/aten__mul|/work/spmd_rfdetr/masks.py:120", "criterion: masks"),
+    ("criterion.masks/aten__mul|/work/spmd_rfdetr/model/masks.py:120", "criterion: masks"),
     ("clip/aten__norm|/x/torch/nn/utils/clip_grad.py:40", "gradient clipping"),
-    ("aten__lerp|/work/spmd_rfdetr/ema.py:50", "EMA"),
-    ("aten__where|/work/spmd_rfdetr/step.py:248", "non-finite guard"),
-    ("aten__mul|/work/spmd_rfdetr/model.py:210", "LR schedule"),
+    ("aten__lerp|/work/spmd_rfdetr/training/ema.py:50", "EMA"),
+    ("aten__where|/work/spmd_rfdetr/training/step.py:248", "non-finite guard"),
+    ("aten__mul|/work/spmd_rfdetr/training/optim.py:70", "LR schedule"),
     ("aten__topk|/x/rfdetr/models/postprocess.py:138", "eval post-processing"),
     ("aten__native_batch_norm_backward|", "backward (unattributed)"),
     ("aten__mul|/x/somewhere_else.py:1", "other"),

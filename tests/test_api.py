@@ -11,7 +11,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import LOOP_MODEL, ROOT, assert_quiet
+from support.models import LOOP_MODEL
+from support.runs import ROOT, assert_quiet
 from jobs import JobInputs, job_fixture
 
 #: The loop model, one epoch of the session's 32 train images at rfdetr's per-device batch of 2 on 4 devices (4 steps),
@@ -87,7 +88,7 @@ def test_train_is_quiet_by_default(api_train):
 
 def test_train_names_an_unknown_argument_and_what_to_use_instead():
     import spmd_rfdetr
-    from spmd_rfdetr.config import ConfigError
+    from spmd_rfdetr.config.options import ConfigError
 
     with pytest.raises(ConfigError, match=r"unknown argument\(s\) epoch;.*options=\{'section.field': value\}"):
         spmd_rfdetr.train("nano", dataset_dir="data", epoch=3)
@@ -101,7 +102,7 @@ def test_a_recipes_variant_stands_and_rfdetrs_names_mean_what_they_mean_there():
     ``early_stopping*`` become ours; ``warmup_steps`` is not one of rfdetr's names."""
     from spmd_rfdetr.api import fit_arguments
     from spmd_rfdetr.cli import run_config
-    from spmd_rfdetr.config import ConfigError
+    from spmd_rfdetr.config.options import ConfigError
 
     assert run_config(fit_arguments(config=str(ROOT / "configs" / "cpu-seg.yaml"))).model.variant == "seg-nano"
     assert run_config(fit_arguments("small", config=str(ROOT / "configs" / "cpu-seg.yaml"))).model.variant == "small"

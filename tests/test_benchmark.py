@@ -21,7 +21,7 @@ import pytest
 
 import yaml
 
-from conftest import LOOP_MODEL, TINY_MODEL  # tests/ is on sys.path (rootdir conftest, no __init__.py)
+from support.models import LOOP_MODEL, TINY_MODEL
 from jobs import JobInputs, job_fixture
 
 ROOT = Path(__file__).resolve().parents[1]

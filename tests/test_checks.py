@@ -20,12 +20,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spmd_rfdetr import config, resolve
-from spmd_rfdetr.checks import KINDS, DataError, check_data
+from spmd_rfdetr.config import options as config
+from spmd_rfdetr.config import resolve
+from spmd_rfdetr.data.check import check_data
+from spmd_rfdetr.data.check_report import KINDS, DataError
 from spmd_rfdetr.cli import main
-from spmd_rfdetr.config import ConfigError, DataOptions, EvalOptions, ModelOptions, RunConfig
-from spmd_rfdetr.resolve import resolve_and_check
-from spmd_rfdetr.synth import synth
+from spmd_rfdetr.config.options import ConfigError, DataOptions, EvalOptions, ModelOptions, RunConfig
+from spmd_rfdetr.config.resolve import resolve_and_check
+from spmd_rfdetr.data.synth import synth
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILED = "Compilation Analysis"  # what PT_XLA_DEBUG_LEVEL=1 prints for each graph XLA compiles
@@ -169,8 +171,8 @@ def tiny_cfg(root: Path, **data: object) -> RunConfig:
 
 
 def test_skipped_images_are_left_out_of_the_train_split(tmp_path: Path) -> None:
-    from spmd_rfdetr.data import build_split
-    from spmd_rfdetr.model import upstream_configs
+    from spmd_rfdetr.data.splits import build_split
+    from spmd_rfdetr.model.upstream import upstream_configs
 
     root = skippable_dataset(tmp_path / "data")
     with pytest.raises(DataError, match="train_000000.jpg: empty file"):
@@ -236,7 +238,7 @@ def test_bf16_on_the_cpu_backend_warns_once(monkeypatch: pytest.MonkeyPatch, cap
     monkeypatch.setattr(resolve, "_warned", set())  # this process may have warned already
     cfg = RunConfig(data=DataOptions(global_batch_size=8))
     cfg.trainer.precision = "bf16"
-    with caplog.at_level("WARNING", logger="spmd_rfdetr.resolve"):
+    with caplog.at_level("WARNING", logger="spmd_rfdetr.config.resolve"):
         for _ in range(2):
             resolve_and_check(copy.deepcopy(cfg), device_count=4)  # this test process runs on XLA CPU devices
     warnings = [r.message for r in caplog.records if "trainer.precision=bf16 on the XLA CPU backend" in r.message]
@@ -320,7 +322,7 @@ def test_a_cached_check_gives_the_same_report_without_opening_an_image(tmp_path:
         check_data(erroring)
     assert first.skipped and ", 24 images, " in first.took and first.took.endswith(" threads")
     (root / "train" / "train_000001.jpg").write_bytes(b"broken now")  # a check that opened it would report it
-    with caplog.at_level(logging.INFO, logger="spmd_rfdetr.checks"):
+    with caplog.at_level(logging.INFO, logger="spmd_rfdetr.data.check"):
         again = check_data(cfg)
         with pytest.raises(DataError) as again_error:
             check_data(erroring)
@@ -365,7 +367,7 @@ def test_check_annotations_reads_no_image(tmp_path: Path, caplog: pytest.LogCapt
 
 def test_check_off_checks_nothing(tmp_path: Path, data_check_cache: Path, caplog: pytest.LogCaptureFixture) -> None:
     missing = tiny_cfg(tmp_path / "no-data", check="off")
-    with caplog.at_level(logging.WARNING, logger="spmd_rfdetr.checks"):
+    with caplog.at_level(logging.WARNING, logger="spmd_rfdetr.data.check"):
         report = check_data(missing)
     assert report.findings == [] and report.summaries == [] and "data.check=off: " in caplog.text
     assert not data_check_cache.exists()
@@ -380,8 +382,9 @@ import json, os, sys
 import torch.distributed as dist
 rank, port, root = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-from spmd_rfdetr import checks, hosts
-from spmd_rfdetr.config import DataOptions, EvalOptions, ModelOptions, RunConfig
+from spmd_rfdetr.data import check as checks
+from spmd_rfdetr.xla import hosts
+from spmd_rfdetr.config.options import DataOptions, EvalOptions, ModelOptions, RunConfig
 opened = []
 inspect = checks.inspect_image
 checks.inspect_image = lambda path: opened.append(str(path)) or inspect(path)
@@ -464,7 +467,7 @@ MASK_KIND_COUNTS = {"missing_mask": 2, "bad_mask": 5, "mask_outside": 1, "mask_s
 
 def mask_dataset(root: Path, images: tuple[int, ...] = tuple(MASK_PROBLEMS)) -> list[str]:
     """The synthetic dataset with the mask problems of ``images`` (:data:`MASK_PROBLEMS`); returns the report lines."""
-    from spmd_rfdetr.synth import rle
+    from spmd_rfdetr.data.synth import rle
 
     ann_file, coco = small_dataset(root)
     lines = []

@@ -16,11 +16,12 @@ import pytest
 import torch
 import yaml
 
-from conftest import LOOP_STEPS, XLA_NOTE, PreemptedRun, assert_quiet, parity_tolerance, read_metrics
+from support.models import LOOP_STEPS, parity_tolerance
+from support.runs import XLA_NOTE, PreemptedRun, assert_quiet, read_metrics
 from jobs import JobInputs, job_fixture
 
 from spmd_rfdetr.cli import main
-from spmd_rfdetr.config import RunConfig
+from spmd_rfdetr.config.options import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -145,7 +146,7 @@ def test_quiet_hides_xla_warnings_not_its_errors(tmp_path: Path) -> None:
     SPMD compile), not its errors (an ``XLA_FLAGS`` dump folder it cannot create: one error line per module); with
     ``SPMD_RFDETR_VERBOSE=1`` the warning is back. A one-op sharded program in a child, no RF-DETR."""
     code = ("import logging; logging.basicConfig(level=logging.INFO); "
-            "from spmd_rfdetr import quiet, runtime, config; quiet.configure(); "
+            "from spmd_rfdetr import quiet; from spmd_rfdetr.xla import runtime; from spmd_rfdetr.config import options as config; quiet.configure(); "
             "runtime.setup_runtime(config.MeshOptions(cpu_devices=4)); "
             "import numpy as np, torch, torch_xla, torch_xla.distributed.spmd as xs; "
             "x = torch.ones(8, 4, device=torch_xla.device()); "
@@ -218,8 +219,8 @@ def test_fit_on_8_devices_with_fsdp_matches_4(eight_device_fit: tuple, loop_run:
     assert all("eval/mAP" in r and "eval/raw_mAP" in r for r in records)  # eval.base_model: the sharded raw weights
     # run the EMA's eval program
 
-    from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions
-    from spmd_rfdetr.model import build_model, upstream_configs
+    from spmd_rfdetr.config.options import DataOptions, ModelOptions, OptimOptions
+    from spmd_rfdetr.model.upstream import build_model, upstream_configs
 
     saved = torch.load(tmp_path / "last.pth", weights_only=True)
     assert saved["config"]["mesh"] == {"data": 4, "fsdp": 2, "fsdp_min_numel": 2**16, "cpu_devices": None}

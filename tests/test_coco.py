@@ -1,4 +1,4 @@
-"""COCO scoring on the host (``spmd_rfdetr.coco``) against pycocotools and upstream rfdetr's own evaluator.
+"""COCO scoring on the host (``spmd_rfdetr.eval.coco``) against pycocotools and upstream rfdetr's own evaluator.
 
 Random detections on the session's synthetic valid split, more per image and class than pycocotools' default 100
 (its ``maxDets`` caps each image's detections of each class), so the number scored (``eval.max_dets``) changes the
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from spmd_rfdetr.coco import MAX_DETS, coco_metrics
+from spmd_rfdetr.eval.coco import MAX_DETS, coco_metrics
 
 #: Random detections per image, 110 of each of the 3 classes, on the split's first :data:`IMAGES` images.
 PER_IMAGE, IMAGES = 330, 10

@@ -1,4 +1,4 @@
-"""Every message of :func:`spmd_rfdetr.resolve.resolve_and_check`, one bad field at a time (no XLA, no data read).
+"""Every message of :func:`spmd_rfdetr.config.resolve.resolve_and_check`, one bad field at a time (no XLA, no data read).
 
 tests/test_checks.py covers the resolution rule per variant, ``max_targets`` vs queries, ``multi_scale``, ``mesh.data``
 of 0 or more than the devices, and the bf16-on-CPU warning; tests/test_cli.py the batch vs data axis message through
@@ -11,9 +11,10 @@ from collections.abc import Callable
 
 import pytest
 
-from spmd_rfdetr import openxla_fix, resolve
-from spmd_rfdetr.config import ConfigError, DataOptions, RunConfig
-from spmd_rfdetr.resolve import resolve_and_check
+from spmd_rfdetr.config import resolve as openxla_fix  # the openxla fix's version check, fix_available, lives here
+from spmd_rfdetr.config import resolve
+from spmd_rfdetr.config.options import ConfigError, DataOptions, RunConfig
+from spmd_rfdetr.config.resolve import resolve_and_check
 
 
 def edited(**sections: dict[str, object]) -> Callable[[], RunConfig]:
@@ -109,7 +110,7 @@ def test_eval_every_epochs_counts_in_the_steps_trainer_epochs_uses() -> None:
     """``eval.every_epochs`` becomes steps with ``trainer.epochs``' steps per epoch (37 usable train images in batches
     of 8: 4 steps, the partial batch dropped), at least 1; ``eval.every_steps`` is taken as it is. Either one makes
     ``fit``'s data check read the eval split."""
-    from spmd_rfdetr.checks import fit_splits
+    from spmd_rfdetr.data.check import fit_splits
 
     assert resolve.steps_per_epoch(edited()(), 37) == 4
     for epochs, steps in ((1.0, 4), (2.5, 10), (0.5, 2), (0.1, 1)):

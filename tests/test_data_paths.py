@@ -16,11 +16,13 @@ import pytest
 import torch
 import yaml
 
-from spmd_rfdetr.checks import DataError, check_data
-from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions, RunConfig
-from spmd_rfdetr.data import OVERFLOW_FIX, StaticCollate, build_split, check_overflow, find_overflow
-from spmd_rfdetr.model import upstream_configs
-from spmd_rfdetr.synth import synth
+from spmd_rfdetr.data.check import check_data
+from spmd_rfdetr.data.check_report import DataError
+from spmd_rfdetr.config.options import DataOptions, ModelOptions, OptimOptions, RunConfig
+from spmd_rfdetr.data.batches import StaticCollate
+from spmd_rfdetr.data.splits import OVERFLOW_FIX, build_split, check_overflow, find_overflow
+from spmd_rfdetr.model.upstream import upstream_configs
+from spmd_rfdetr.data.synth import synth
 
 RESOLUTION, MAX_TARGETS = 128, 8
 
@@ -74,7 +76,7 @@ def test_overflow_truncate_logs_and_keeps_the_largest_boxes(crowded: Path, caplo
     over = expected_overflow(crowded)
     cfg = run_config(crowded, on_overflow="truncate")
     train, valid = split_of(cfg, "train"), split_of(cfg, "valid")
-    with caplog.at_level(logging.WARNING, logger="spmd_rfdetr.data"):
+    with caplog.at_level(logging.WARNING, logger="spmd_rfdetr.data.splits"):
         check_overflow(train, cfg.data, "train")
     assert f"{len(over)} image(s) have more than data.max_targets={MAX_TARGETS}" in caplog.text
     assert f"keeping the {MAX_TARGETS} largest boxes of each (data.on_overflow=truncate)" in caplog.text
@@ -175,7 +177,7 @@ def relabelled_split(src: Path, dst: Path) -> dict[str, int]:
 def test_image_folder_takes_ids_from_its_annotations(layouts: dict[str, Path], tmp_path: Path) -> None:
     """``predict --images`` on a split folder: image ids from its ``_annotations.coco.json`` (so detections line up
     with that split's ground truth), positions in a plain folder, and an unlisted image is a clear error."""
-    from spmd_rfdetr.images import ImageFolder, eval_transforms
+    from spmd_rfdetr.data.images import ImageFolder, eval_transforms
 
     cfgs = upstream_configs(ModelOptions(resolution=RESOLUTION), DataOptions(), OptimOptions(), num_classes=3)
     transforms = eval_transforms(cfgs)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spmd_rfdetr.fit_eval import FitEvaluation
+from spmd_rfdetr.training.evaluation import FitEvaluation
 
 #: (model.ema, eval.base_model, eval.early_stopping_use_ema)
 SETTINGS = [(ema, base, use_ema) for ema in (False, True) for base in (False, True) for use_ema in (False, True)]
@@ -77,7 +77,7 @@ def test_early_stopping_counts_survive_a_checkpoint(tmp_path: Path) -> None:
     """The state ``fit`` saves (best mAP, early stopping's best and count) goes through a real training-state
     checkpoint (``meta.json``) and back into a fresh :class:`FitEvaluation` unchanged, before any evaluation (-inf) as
     after some; the step comes back as written."""
-    from spmd_rfdetr import checkpoint
+    from spmd_rfdetr.training import checkpoint
 
     state = {"model.w": torch.arange(6.0)}
     for step, records in ((1, []), (2, [0.25, 0.5, 0.5, 0.25])):

@@ -18,11 +18,12 @@ import torch
 import torch_xla
 import torch_xla.debug.metrics as met
 
-from spmd_rfdetr import evaluate as ev
-from spmd_rfdetr.coco import BOXES, SCORE
-from spmd_rfdetr.step import as_samples
+from spmd_rfdetr.eval import evaluator as ev
+from spmd_rfdetr.eval.coco import BOXES, SCORE
+from spmd_rfdetr.model.inputs import as_samples
 
-from conftest import EVAL_EVERY, read_metrics  # tests/ is on sys.path (rootdir conftest, no __init__.py)
+from support.models import EVAL_EVERY
+from support.runs import read_metrics
 
 SUBSET, EVAL_BATCH = 20, 12  # 20 images in global batches of 12: 12 + 8 padded to 12
 pytestmark = pytest.mark.slow  # every test reads the session fit (conftest.fit_run) or compiles an eval program
@@ -39,7 +40,7 @@ def samples(name: str) -> int:
 
 @pytest.fixture(scope="module")
 def valid_split(tiny):
-    from spmd_rfdetr.data import build_split
+    from spmd_rfdetr.data.splits import build_split
 
     return build_split(tiny.cfgs, "valid")
 
@@ -52,9 +53,9 @@ def trained_state(fit_run):
 @pytest.fixture(scope="module")
 def first_eval(tiny, trained_state, valid_split):
     """A padded 20-image split in global batches of 12 (a new batch shape), with the counters it moved."""
-    from spmd_rfdetr.fabric import spmd_fabric
-    from spmd_rfdetr.mesh import build_mesh
-    from spmd_rfdetr.model import build_model
+    from spmd_rfdetr.xla.fabric import spmd_fabric
+    from spmd_rfdetr.xla.mesh import build_mesh
+    from spmd_rfdetr.model.upstream import build_model
 
     fabric = spmd_fabric(build_mesh(), precision="32-true")
     net = build_model(tiny.cfgs)
@@ -82,8 +83,8 @@ def upstream_eager_eval(tiny, state, dataset):
     from rfdetr.datasets import get_coco_api_from_dataset
     from rfdetr.evaluation.coco_eval import CocoEvaluator
 
-    from spmd_rfdetr.data import upstream_float
-    from spmd_rfdetr.model import build_model, build_upstream_criterion
+    from spmd_rfdetr.data.pixels import upstream_float
+    from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion
 
     net = build_model(tiny.cfgs)
     net.load_state_dict(state)
@@ -132,8 +133,8 @@ def test_the_train_split_is_evaluated_as_read_for_evaluation(tiny, first_eval):
     jitter, and with ``data.multi_scale`` change the size): two evaluations give the same detections and mAP."""
     import dataclasses
 
-    from spmd_rfdetr.data import build_eval_split
-    from spmd_rfdetr.model import upstream_configs
+    from spmd_rfdetr.data.splits import build_eval_split
+    from spmd_rfdetr.model.upstream import upstream_configs
 
     evaluator, _, _ = first_eval
     cfg = tiny.cfg
@@ -141,7 +142,7 @@ def test_the_train_split_is_evaluated_as_read_for_evaluation(tiny, first_eval):
     split = torch.utils.data.Subset(build_eval_split(cfgs, "train"), range(SUBSET))
     from rfdetr.datasets import get_coco_api_from_dataset
 
-    from spmd_rfdetr.coco import coco_metrics
+    from spmd_rfdetr.eval.coco import coco_metrics
 
     passes = []
     for _ in range(2):
@@ -160,7 +161,7 @@ def test_seg_masks_are_encoded_batch_by_batch(valid_split, tiny):
     (numpy's buffers are traced) on two split sizes through a compiled program with a seg head's outputs."""
     import tracemalloc
 
-    from spmd_rfdetr.mesh import build_mesh
+    from spmd_rfdetr.xla.mesh import build_mesh
 
     num_select, plane = 40, 32
 
@@ -224,7 +225,7 @@ def test_map_equals_pycocotools_on_the_detections_json(first_eval, synth_dir, tm
     leaves at -1 (it reads mAP at 100 detections) taken from its accumulated precision as upstream's summary does."""
     from pycocotools.coco import COCO
 
-    from spmd_rfdetr.coco import MAX_DETS
+    from spmd_rfdetr.eval.coco import MAX_DETS
 
     _, result, _ = first_eval
     summary = ev.save_result(result, tmp_path)
@@ -313,7 +314,7 @@ def test_fit_evaluates_every_n_steps_and_keeps_best(fit_run):
     saved = json.loads((fit_run / "eval" / "step0000020_coco_eval.json").read_text())
     assert saved["num_images"] == 40 and saved["stats"]["mAP"] == evals[0]["eval/mAP"]
 
-    from spmd_rfdetr.fit_eval import FitEvaluation
+    from spmd_rfdetr.training.evaluation import FitEvaluation
 
     due = FitEvaluation(None, every_steps=100, output_dir=fit_run).due  # type: ignore[arg-type]
     assert [s for s in range(1, 251) if due(s, 250)] == [100, 200, 250]

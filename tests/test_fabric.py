@@ -19,8 +19,8 @@ from lightning_fabric import Fabric
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from spmd_rfdetr.fabric import SPMDAccelerator, SPMDDataLoader, SPMDPrecision, SPMDStrategy, spmd_fabric
-from spmd_rfdetr.mesh import build_mesh, data_axis_size
+from spmd_rfdetr.xla.fabric import SPMDAccelerator, SPMDDataLoader, SPMDPrecision, SPMDStrategy, spmd_fabric
+from spmd_rfdetr.xla.mesh import build_mesh, data_axis_size
 
 N = 4  # devices in the mesh (conftest: CPU_NUM_DEVICES=4)
 
@@ -370,7 +370,7 @@ def test_bf16_true_works_in_a_fresh_process():
     script = textwrap.dedent("""
         import torch, torch_xla
         from torch import nn
-        from spmd_rfdetr.fabric import spmd_fabric
+        from spmd_rfdetr.xla.fabric import spmd_fabric
         fabric = spmd_fabric(precision="bf16-true")
         model = fabric.setup(nn.Linear(16, 8))
         out = model(torch.randn(8, 16).to(fabric.device))

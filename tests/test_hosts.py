@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import read_metrics
+from support.runs import read_metrics
 from jobs import JobInputs, job_fixture
-from spmd_rfdetr import hosts
-from spmd_rfdetr.data import TrainBatches
+from spmd_rfdetr.xla import hosts
+from spmd_rfdetr.data.batches import TrainBatches
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,9 +33,9 @@ import json, os, signal, sys
 import torch.distributed as dist
 rank, count, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=count)
-from spmd_rfdetr import hosts
-from spmd_rfdetr.data import TrainBatches
-from spmd_rfdetr.loop import Preemption
+from spmd_rfdetr.xla import hosts
+from spmd_rfdetr.data.batches import TrainBatches
+from spmd_rfdetr.training.stops import Preemption
 out = {"host": list(hosts.this_host()), "coordinator": hosts.is_coordinator(), "joined_again": None}
 hosts.join_hosts()  # a group exists: nothing happens
 out["any_on_host_1"] = hosts.any_host(rank == 1)
@@ -57,13 +57,13 @@ out["rows"] = [next(batches) for _ in range(6)]
 import torch
 out["gathered"] = hosts.gather_rows(torch.tensor([10 * rank, 10 * rank + 1]), share=(rank, count)).tolist()
 import pathlib
-from spmd_rfdetr.runtime import shared_by_all_hosts
+from spmd_rfdetr.xla.runtime import shared_by_all_hosts
 cache = pathlib.Path(sys.argv[5])
 (cache / "shared").mkdir(parents=True, exist_ok=True)
 (cache / f"own{rank}").mkdir(parents=True)
 out["cache_shared"] = [shared_by_all_hosts(cache / "shared"), shared_by_all_hosts(cache / f"own{rank}")]
-from spmd_rfdetr.coco import CocoMetrics
-from spmd_rfdetr.evaluate import EvalResult, save_result
+from spmd_rfdetr.eval.coco import CocoMetrics
+from spmd_rfdetr.eval.evaluator import EvalResult, save_result
 metrics = CocoMetrics({"mAP": 0.5}, [], num_images=1, num_detections=1)
 result = EvalResult(metrics, [{"image_id": 1}], [1], 1)  # every host holds the same
 save_result(result, sys.argv[4], stem=f"host{rank}_")  # only host 0's files may appear
@@ -83,7 +83,7 @@ import json, sys
 import torch.distributed as dist
 rank, count, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=count)
-from spmd_rfdetr import metrics
+from spmd_rfdetr.training import metrics
 from spmd_rfdetr.cli import main
 records, write = [], metrics.MetricsLog.write
 metrics.MetricsLog.write = lambda self, record: (records.append(record), write(self, record))[1]
@@ -138,7 +138,7 @@ def test_the_minibatch_path_builds_the_global_batch_as_the_global_path():
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
 
-    from spmd_rfdetr.mesh import build_mesh
+    from spmd_rfdetr.xla.mesh import build_mesh
 
     mesh = build_mesh()
     batch = torch.arange(8 * 3 * 2, dtype=torch.float32).reshape(8, 3, 2)
@@ -212,7 +212,7 @@ def test_eval_ids_follow_the_global_arrays_rows_on_interleaved_hosts():
     """A v5e/v6e slice of 16+ chips numbers devices by chip coordinates: with 2 hosts of 4 chips on a 2x4 slice host 0
     drives devices {0, 1, 4, 5} and host 1 {2, 3, 6, 7}. The global array's rows are then not host 0's rows followed by
     host 1's: every image id must still be paired with its own detections."""
-    from spmd_rfdetr.hosts import global_row_order
+    from spmd_rfdetr.xla.hosts import global_row_order
 
     tile = list(range(8))  # the mesh's devices in batch order (build_mesh: np.arange)
     host_devices = [[0, 1, 4, 5], [2, 3, 6, 7]]
@@ -227,14 +227,14 @@ def test_eval_ids_follow_the_global_arrays_rows_on_interleaved_hosts():
 
 
 def test_the_minibatch_assembly_follows_the_tile_assignment():
-    """The rule :func:`~spmd_rfdetr.hosts.global_row_order` encodes, checked on torch_xla itself: one process,
+    """The rule :func:`~spmd_rfdetr.xla.hosts.global_row_order` encodes, checked on torch_xla itself: one process,
     ``minibatch=True`` and a mesh whose devices are not in ordinal order (as a host's positions on an interleaved
     slice): the global array's rows are the process's blocks placed by device, not its rows in order."""
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
 
-    from spmd_rfdetr.hosts import global_row_order
+    from spmd_rfdetr.xla.hosts import global_row_order
 
     tile = [2, 0, 3, 1]
     mesh = xs.Mesh(np.asarray(tile), (4, 1), ("data", "fsdp"))

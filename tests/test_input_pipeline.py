@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from spmd_rfdetr.config import ConfigError, DataOptions, RunConfig
-from spmd_rfdetr.data import (BoxesOnlyNormalize, StaticCollate, blank_batch, build_split, normalize_images,
-                              uint8_pixels, upstream_float, upstream_split, worker_count)
-from spmd_rfdetr.resolve import resolve_and_check
+from spmd_rfdetr.config.options import ConfigError, DataOptions, RunConfig
+from spmd_rfdetr.data.batches import StaticCollate, blank_batch, worker_count
+from spmd_rfdetr.data.pixels import BoxesOnlyNormalize, normalize_images, uint8_pixels, upstream_float
+from spmd_rfdetr.data.splits import build_split, upstream_split
+from spmd_rfdetr.config.resolve import resolve_and_check
 
 #: Float rounding between two float32 evaluations of ``(x / 255 - mean) / std`` (|values| <= 2.7): a few ulps.
 ROUNDING = 1e-6
@@ -132,8 +133,8 @@ def test_nan_fault_injection_makes_the_boxes_nan(tiny, monkeypatch: pytest.Monke
     are."""
     import torch_xla
 
-    from spmd_rfdetr.loader import NAN_BATCH_ENV, SPMDDataLoader
-    from spmd_rfdetr.mesh import build_mesh
+    from spmd_rfdetr.xla.loader import NAN_BATCH_ENV, SPMDDataLoader
+    from spmd_rfdetr.xla.mesh import build_mesh
 
     monkeypatch.setenv(NAN_BATCH_ENV, "2")
     loader = SPMDDataLoader([], build_mesh(), torch_xla.device())
@@ -149,8 +150,8 @@ def test_nan_fault_injection_makes_the_boxes_nan(tiny, monkeypatch: pytest.Monke
 def test_normalised_float_samples_are_refused_by_both_collates(tiny) -> None:
     """rfdetr's own splits give normalised float32 images; every program normalises pixels itself, so such samples
     would be normalised twice (train) or cast to uint8 garbage (eval): both collates refuse them, naming the image."""
-    from spmd_rfdetr.data import upstream_split
-    from spmd_rfdetr.evaluate import EvalCollate
+    from spmd_rfdetr.data.splits import upstream_split
+    from spmd_rfdetr.eval.batches import EvalCollate
 
     resolution = tiny.cfgs.model.resolution
     float_sample = upstream_split(tiny.cfgs, "valid")[0]  # rfdetr's build_dataset: normalised float32

@@ -19,9 +19,9 @@ import pytest
 import torch
 from PIL import Image
 
-from spmd_rfdetr.config import DataOptions, MeshOptions, ModelOptions, OptimOptions, RunConfig
-from spmd_rfdetr.step import as_samples
-from spmd_rfdetr.weights import inference_config, read_weights
+from spmd_rfdetr.config.options import DataOptions, MeshOptions, ModelOptions, OptimOptions, RunConfig
+from spmd_rfdetr.model.inputs import as_samples
+from spmd_rfdetr.model.weights import inference_config, read_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(resolution=128, num_queries=30, group_detr=2, dec_layers=2)
@@ -57,7 +57,7 @@ def without_xla() -> dict[str, str]:
 @pytest.mark.slow
 def test_upstream_rfdetr_predicts_what_our_predict_does(fit_run, synth_dir, tmp_path):
     from spmd_rfdetr.cli import main
-    from spmd_rfdetr.coco import label2cat_for
+    from spmd_rfdetr.eval.coco import label2cat_for
 
     checkpoint = fit_run / "last.pth"
     folder = tmp_path / "images"  # model-resolution PNGs: both sides' resizes are the identity, pixels are exact
@@ -96,7 +96,7 @@ def test_export_onnx_runs_like_the_eager_model(fit_run, tmp_path):
     import onnxruntime
 
     from spmd_rfdetr.cli import main
-    from spmd_rfdetr.model import build_model, upstream_configs
+    from spmd_rfdetr.model.upstream import build_model, upstream_configs
 
     checkpoint = fit_run / "last.pth"
     main(["export", "--checkpoint", str(checkpoint), "--output", str(tmp_path / "tiny.onnx")])
@@ -132,7 +132,7 @@ def test_export_without_the_extra_names_it_and_exits_2(tmp_path):
 @pytest.fixture(scope="module")
 def rfdetr_checkpoint(tmp_path_factory) -> Path:
     """An upstream-format checkpoint of the tiny architecture with 5 classes (``{"model", "args", "model_config"}``)."""
-    from spmd_rfdetr.model import build_model, upstream_configs
+    from spmd_rfdetr.model.upstream import build_model, upstream_configs
 
     cfgs = upstream_configs(ModelOptions(**TINY, pretrain_weights=None), DataOptions(), RunConfig().optim, num_classes=5)
     torch.manual_seed(1)
@@ -145,7 +145,7 @@ def rfdetr_checkpoint(tmp_path_factory) -> Path:
 
 
 def test_pretrain_weights_resize_the_class_head_with_rfdetrs_loader(rfdetr_checkpoint):
-    from spmd_rfdetr.model import build_model, upstream_configs
+    from spmd_rfdetr.model.upstream import build_model, upstream_configs
 
     saved = torch.load(rfdetr_checkpoint, map_location="cpu", weights_only=True)["model"]
     options = ModelOptions(**TINY, pretrain_weights=str(rfdetr_checkpoint))
@@ -160,7 +160,7 @@ def test_pretrain_weights_resize_the_class_head_with_rfdetrs_loader(rfdetr_check
 
 
 def test_inference_config_takes_the_architecture_from_the_checkpoint(rfdetr_checkpoint, tmp_path):
-    from spmd_rfdetr.config import TrainerOptions
+    from spmd_rfdetr.config.options import TrainerOptions
 
     trained = RunConfig(model=ModelOptions(variant="small", num_classes=7, backbone_blocks=3, **TINY),
                         data=DataOptions(dataset_dir="/train/data", global_batch_size=16, per_device_batch_size=2),
@@ -184,7 +184,7 @@ def test_backbone_blocks_build_a_shallower_rfdetr_and_leave_rfdetr_as_it_was():
     many as the variant's own outputs); the next model built without it has rfdetr's 12 again."""
     from rfdetr.models.backbone import dinov2
 
-    from spmd_rfdetr.model import build_model, upstream_configs
+    from spmd_rfdetr.model.upstream import build_model, upstream_configs
 
     def blocks(model: ModelOptions) -> tuple[int, list[int], tuple[int, ...]]:
         cfgs = upstream_configs(model, DataOptions(), OptimOptions(), 3)
@@ -218,8 +218,8 @@ print(json.dumps({"class": type(model).__name__, "class_names": model.class_name
 
 
 def test_rfdetr_from_checkpoint_reads_a_weight_file_with_rfdetr_entries(tmp_path):
-    from spmd_rfdetr.model import build_model, upstream_configs
-    from spmd_rfdetr.weights import rfdetr_entries
+    from spmd_rfdetr.model.upstream import build_model, upstream_configs
+    from spmd_rfdetr.model.weights import rfdetr_entries
 
     cfg = RunConfig(model=ModelOptions(**TINY, num_classes=3, pretrain_weights=None))
     cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, 3)

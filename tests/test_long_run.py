@@ -2,11 +2,11 @@
 
 The parity tests compare RF-DETR steps 1-5 at a constant LR: they cannot see what changes with the step count over a
 run (the device LR schedule, AdamW's bias correction, the EMA's warm-up and decay, clipping at every step) and their
-bounds after step 3 let a several-percent LR error through (``conftest.parity_tolerance``). Here a toy model (smooth
+bounds after step 3 let a several-percent LR error through (``support.models.parity_tolerance``). Here a toy model (smooth
 losses: no top-k reordering or matcher to make two correct runs part) trains for a whole cosine schedule through the
-real :class:`~spmd_rfdetr.step.TrainStep` on the mesh, replayed as ``fit`` runs it, with two parameter groups of
-different LR and weight decay (as rfdetr's ``get_param_dict`` makes them), :class:`~spmd_rfdetr.model.DeviceLRSchedule`
-and :class:`~spmd_rfdetr.ema.DeviceEMA`. The reference is upstream's trainer's pieces on the CPU: ``torch.optim.AdamW``,
+real :class:`~spmd_rfdetr.training.step.TrainStep` on the mesh, replayed as ``fit`` runs it, with two parameter groups of
+different LR and weight decay (as rfdetr's ``get_param_dict`` makes them), :class:`~spmd_rfdetr.training.optim.DeviceLRSchedule`
+and :class:`~spmd_rfdetr.training.ema.DeviceEMA`. The reference is upstream's trainer's pieces on the CPU: ``torch.optim.AdamW``,
 rfdetr's own managed ``LambdaLR`` (``_build_managed_scheduler``: its cosine), ``clip_grad_norm_`` and rfdetr's
 ``RFDETREMACallback`` average (``AveragedModel`` with its ``_multi_avg_fn``).
 """
@@ -22,11 +22,11 @@ from rfdetr.training.callbacks.ema import RFDETREMACallback
 from rfdetr.training.module_model import _build_managed_scheduler
 from torch.optim.swa_utils import AveragedModel
 
-from spmd_rfdetr.build import unwrap
-from spmd_rfdetr.config import OptimOptions
-from spmd_rfdetr.ema import DeviceEMA
-from spmd_rfdetr.model import DeviceLRSchedule
-from spmd_rfdetr.step import TrainStep, forward_loss
+from spmd_rfdetr.config.options import OptimOptions
+from spmd_rfdetr.training.build import unwrap
+from spmd_rfdetr.training.ema import DeviceEMA
+from spmd_rfdetr.training.optim import DeviceLRSchedule
+from spmd_rfdetr.training.step import TrainStep, forward_loss
 from test_replay import ToyCriterion, ToyDetector, toy_batches
 
 STEPS = 120
@@ -93,7 +93,7 @@ def largest_gap(ours: dict, theirs: dict) -> float:
 
 @pytest.fixture(scope="module")
 def runs():
-    from spmd_rfdetr.fabric import spmd_fabric
+    from spmd_rfdetr.xla.fabric import spmd_fabric
 
     fabric = spmd_fabric()
     batches = toy_batches(STEPS)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch_xla
 
-from spmd_rfdetr.loss import park_padding
+from spmd_rfdetr.model.loss import park_padding
 
 
 def test_padding_parks_on_distinct_free_queries_on_xla() -> None:
@@ -28,7 +28,7 @@ def test_all_layers_in_one_solve_equal_per_layer_and_scipy() -> None:
     from rfdetr.models.matcher import HungarianMatcher
     from scipy.optimize import linear_sum_assignment
 
-    from spmd_rfdetr.loss import StaticShapeMatcher
+    from spmd_rfdetr.model.loss import StaticShapeMatcher
 
     torch.manual_seed(0)
     batch, group_detr, per_group, slots, classes = 3, 2, 12, 5, 4
@@ -67,9 +67,9 @@ def test_criterion_matches_all_layers_in_one_solve_with_upstream_losses() -> Non
     """Our criterion on a padded static batch, batched over images and layers (and through upstream's own
     ``SetCriterion.forward`` with the SciPy solver): one solve for final + aux + encoder, the losses and gradients of
     upstream's criterion (its SciPy matcher, unpadded targets), eager CPU."""
-    from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions
-    from spmd_rfdetr.loss import build_criterion, stack_targets, total_loss
-    from spmd_rfdetr.model import build_upstream_criterion, upstream_configs
+    from spmd_rfdetr.config.options import DataOptions, ModelOptions, OptimOptions
+    from spmd_rfdetr.model.loss import build_criterion, stack_targets, total_loss
+    from spmd_rfdetr.model.upstream import build_upstream_criterion, upstream_configs
 
     cfgs = upstream_configs(ModelOptions(resolution=128, num_queries=10, group_detr=2, dec_layers=3),
                             DataOptions(dataset_dir="unused", global_batch_size=2, max_targets=4), OptimOptions(), 3)
@@ -111,17 +111,17 @@ def test_criterion_matches_all_layers_in_one_solve_with_upstream_losses() -> Non
 
 
 def test_the_criterion_calls_no_collective_with_a_default_process_group(tmp_path) -> None:
-    """With several hosts ``fit`` initialises a gloo default group (spmd_rfdetr.hosts). rfdetr's criterion then
+    """With several hosts ``fit`` initialises a gloo default group (spmd_rfdetr.xla.hosts). rfdetr's criterion then
     all-reduces its XLA box count over gloo inside the traced step, which gloo cannot do (and divides by the process
     count, while under SPMD the count is global already); ours computes the global count on the device. Both
     criteria on sharded XLA tensors, with a one-process gloo group initialised here."""
     import torch.distributed as dist
     import torch_xla.distributed.spmd as xs
 
-    from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions
-    from spmd_rfdetr.loss import build_criterion, stack_targets
-    from spmd_rfdetr.mesh import build_mesh
-    from spmd_rfdetr.model import build_upstream_criterion, upstream_configs
+    from spmd_rfdetr.config.options import DataOptions, ModelOptions, OptimOptions
+    from spmd_rfdetr.model.loss import build_criterion, stack_targets
+    from spmd_rfdetr.xla.mesh import build_mesh
+    from spmd_rfdetr.model.upstream import build_upstream_criterion, upstream_configs
 
     cfgs = upstream_configs(ModelOptions(resolution=128, num_queries=10, group_detr=2, dec_layers=2),
                             DataOptions(dataset_dir="unused", global_batch_size=4, max_targets=4), OptimOptions(), 3)

@@ -1,4 +1,4 @@
-"""The seg variants' mask cost and losses (:mod:`spmd_rfdetr.masks`) against upstream rfdetr's own matcher and
+"""The seg variants' mask cost and losses (:mod:`spmd_rfdetr.model.masks`) against upstream rfdetr's own matcher and
 ``SetCriterion.loss_masks`` on the same model outputs and the same random point draws (eager CPU)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions
-from spmd_rfdetr.data import pad_target
-from spmd_rfdetr.loss import build_criterion, total_loss
-from spmd_rfdetr.masks import pack_masks, sample_targets, unpack_masks
-from spmd_rfdetr.model import build_model, build_upstream_criterion, upstream_configs
+from spmd_rfdetr.config.options import DataOptions, ModelOptions, OptimOptions
+from spmd_rfdetr.data.batches import pad_target
+from spmd_rfdetr.model.loss import build_criterion, total_loss
+from spmd_rfdetr.model.masks import pack_masks, sample_targets, unpack_masks
+from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
 
 RESOLUTION, SLOTS, CLASSES = 48, 4, 3
 
@@ -192,14 +192,14 @@ def test_seg_step_on_the_mesh_equals_upstream_and_replays(mesh_trainer: Any) -> 
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    from spmd_rfdetr.build import build_trainer
-    from spmd_rfdetr.config import TrainerOptions
-    from spmd_rfdetr.data import upstream_float
-    from spmd_rfdetr.metrics import xla_counters
+    from spmd_rfdetr.training.build import build_trainer
+    from spmd_rfdetr.config.options import TrainerOptions
+    from spmd_rfdetr.data.pixels import upstream_float
+    from spmd_rfdetr.training.metrics import xla_counters
 
-    from conftest import parity_tolerance
+    from support.models import parity_tolerance
 
-    from spmd_rfdetr.model import build_optimizer
+    from spmd_rfdetr.training.optim import build_optimizer
 
     model, optim, cfgs = seg_tiny()
     torch.manual_seed(0)

@@ -10,12 +10,13 @@ import types
 
 import pytest
 
-from spmd_rfdetr.config import DataOptions, RunConfig
-from spmd_rfdetr.resolve import multi_scale_buckets, upstream_scales
-from spmd_rfdetr.data import TrainBatches, batch_scale, blank_batch, build_split, first_uses, make_train_loader
-from spmd_rfdetr.metrics import xla_counters
-from spmd_rfdetr.model import upstream_configs
-from conftest import parity_tolerance
+from spmd_rfdetr.config.options import DataOptions, RunConfig
+from spmd_rfdetr.config.resolve import multi_scale_buckets, upstream_scales
+from spmd_rfdetr.data.batches import TrainBatches, batch_scale, blank_batch, first_uses, make_train_loader
+from spmd_rfdetr.data.splits import build_split
+from spmd_rfdetr.training.metrics import xla_counters
+from spmd_rfdetr.model.upstream import upstream_configs
+from support.models import parity_tolerance
 from test_train import upstream_steps
 
 BUCKETS = [64, 96]  # two of the loop model's buckets show the mechanism; each more is one more compile
@@ -43,7 +44,7 @@ def test_the_position_table_resize_as_matrices_equals_pytorchs_kernel(size_out):
     """xla_safe's replacement of the antialiased bicubic resize (not lowered by torch_xla) against PyTorch's own."""
     import torch
 
-    from spmd_rfdetr.xla_safe import resize_matrix
+    from spmd_rfdetr.model.resize import resize_matrix
 
     table = torch.randn(1, 24, 8, 8, generator=torch.Generator().manual_seed(size_out))
     ref = torch.nn.functional.interpolate(table, size=(size_out, size_out), mode="bicubic", align_corners=False,
@@ -60,7 +61,7 @@ def test_the_position_table_resize_runs_on_the_device_as_upstreams_on_the_cpu():
     import torch_xla
     from rfdetr.models.backbone import dinov2_with_windowed_attn as dinov2
 
-    from spmd_rfdetr import xla_safe
+    from spmd_rfdetr.model import xla_safe
 
     xla_safe.install()
     cls = dinov2.WindowedDinov2WithRegistersEmbeddings
@@ -90,9 +91,9 @@ def test_buckets_compile_before_step_1_and_train_as_upstream(loop_tiny, mesh_tra
     drift further as near-tied proposal rankings flip: 2.5e-3 measured at step 12 over 3 buckets of the tiny model)."""
     import torch
 
-    from spmd_rfdetr.build import build_trainer
-    from spmd_rfdetr.data import upstream_float
-    from spmd_rfdetr.loop import precompile_buckets
+    from spmd_rfdetr.training.build import build_trainer
+    from spmd_rfdetr.data.pixels import upstream_float
+    from spmd_rfdetr.training.setup import precompile_buckets
 
     tiny = loop_tiny
 

@@ -1,7 +1,7 @@
 """``trainer.compile_backend=openxla``: torch.compile training under SPMD, exact with spmd_rfdetr's bridge fix.
 
 torch_xla 2.9's dynamo bridge gives stale weight gradients under SPMD (pytorch/xla#4824; root cause in
-:mod:`spmd_rfdetr.openxla_fix`). The first test keeps showing the bug without the fix (it fails when torch_xla fixes it
+:mod:`spmd_rfdetr.xla.openxla_fix`). The first test keeps showing the bug without the fix (it fails when torch_xla fixes it
 upstream: then the fix can go) and shows the fix exact against eager; the second trains RF-DETR through the real CLI.
 """
 
@@ -17,9 +17,10 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import yaml
 
-from conftest import parity_tolerance, read_metrics
+from support.models import parity_tolerance
+from support.runs import read_metrics
 from jobs import JobInputs, job_fixture
-from spmd_rfdetr.openxla_fix import apply_bridge_fix
+from spmd_rfdetr.xla.openxla_fix import apply_bridge_fix
 
 ROOT = Path(__file__).resolve().parents[1]
 OPENXLA_STEPS = 5
@@ -73,7 +74,7 @@ def test_openxla_training_is_wrong_without_the_fix_and_exact_with_it(mesh_traine
 @job_fixture
 def openxla_fit(inputs: JobInputs, out: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
     """The CLI's ``fit`` of the loop fit's config with compile_backend=openxla, a NaN batch at the last step."""
-    from spmd_rfdetr.loader import NAN_BATCH_ENV
+    from spmd_rfdetr.xla.loader import NAN_BATCH_ENV
 
     cfg = yaml.safe_load(inputs.loop_config.read_text())
     cfg["trainer"].update(compile_backend="openxla", max_steps=OPENXLA_STEPS + 1, on_nonfinite="skip_step",
@@ -98,7 +99,7 @@ def test_fit_trains_with_openxla_as_with_replay_and_skips_a_nan_step(openxla_fit
     differently: measured 6.2e-5 at step 5 on a CI run). Then a real NaN batch at step 6 with
     ``trainer.on_nonfinite=skip_step``: counted, named, and the weights and AdamW state after it are those after
     step 5, bit for bit (the non-finite guard around dynamo's graphs), and the EMA stays finite."""
-    from conftest import read_training_checkpoint
+    from support.models import read_training_checkpoint
 
     result, out = openxla_fit
     assert result.returncode == 0, result.stderr[-4000:]

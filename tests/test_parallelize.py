@@ -15,13 +15,13 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
-from conftest import parity_tolerance
+from support.models import parity_tolerance
 from jobs import JobInputs, job_fixture
 
-from spmd_rfdetr.config import ConfigError, MeshOptions, RunConfig
-from spmd_rfdetr.resolve import resolve_and_check
-from spmd_rfdetr.mesh import build_mesh, fsdp_axis_size
-from spmd_rfdetr.parallelize import describe, fsdp_spec, parallelize, shard_count, sharding_specs
+from spmd_rfdetr.config.options import ConfigError, MeshOptions, RunConfig
+from spmd_rfdetr.config.resolve import resolve_and_check
+from spmd_rfdetr.xla.mesh import build_mesh, fsdp_axis_size
+from spmd_rfdetr.xla.parallelize import describe, fsdp_spec, parallelize, shard_count, sharding_specs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,7 +101,7 @@ def test_parallelize_shards_params_grads_adamw_and_ema_copy():
     the step equals eager CPU; the small ones stay replicated."""
     import copy
 
-    from spmd_rfdetr.fabric import spmd_fabric
+    from spmd_rfdetr.xla.fabric import spmd_fabric
 
     previous = xs.get_global_mesh()
     try:
@@ -139,7 +139,7 @@ def test_parallelize_shards_params_grads_adamw_and_ema_copy():
 
 
 def test_parallelize_on_a_data_only_mesh_changes_nothing():
-    from spmd_rfdetr.fabric import spmd_fabric
+    from spmd_rfdetr.xla.fabric import spmd_fabric
 
     previous = xs.get_global_mesh()
     try:
@@ -155,7 +155,7 @@ def test_parallelize_on_a_data_only_mesh_changes_nothing():
 def test_checkpoint_keeps_tensors_split_along_fsdp_and_copied_along_data(tmp_path):
     """A tensor sharded on fsdp and replicated on data has identical local shards; torch_xla 2.9's save planner alone
     dropped every copy of them (the tensor was missing from the checkpoint). Saved and loaded in place, sharding kept."""
-    from spmd_rfdetr import checkpoint
+    from spmd_rfdetr.training import checkpoint
 
     previous = xs.get_global_mesh()
     try:
@@ -177,7 +177,7 @@ def test_checkpoint_keeps_tensors_split_along_fsdp_and_copied_along_data(tmp_pat
 
 # --- memory plan (no XLA compile) -------------------------------------------------------------------------------------
 def test_memory_plan_bytes_follow_the_specs():
-    from spmd_rfdetr.plan import memory_plan, meta_model
+    from spmd_rfdetr.aot.plan import memory_plan, meta_model
 
     rows = memory_plan(MeshOptions(data=2, fsdp=4), variants=["nano"])
     (row,) = rows
@@ -195,7 +195,7 @@ def test_memory_plan_bytes_follow_the_specs():
 
 def test_plan_verb_prints_every_variant(capsys):
     from spmd_rfdetr.cli import main
-    from spmd_rfdetr.config import VARIANT_CONFIGS
+    from spmd_rfdetr.config.options import VARIANT_CONFIGS
 
     main(["plan", "--mesh.data", "2", "--mesh.fsdp", "4"])
     out = capsys.readouterr().out
@@ -212,13 +212,13 @@ CHILD = textwrap.dedent("""
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
     xr.use_spmd()
-    from spmd_rfdetr import checkpoint
-    from spmd_rfdetr.build import build_trainer, unwrap
-    from spmd_rfdetr.config import DataOptions, MeshOptions, ModelOptions, OptimOptions, TrainerOptions
-    from spmd_rfdetr.fabric import spmd_fabric
-    from spmd_rfdetr.mesh import build_mesh
-    from spmd_rfdetr.model import build_model, upstream_configs
-    from spmd_rfdetr.plan import memory_row
+    from spmd_rfdetr.training import checkpoint
+    from spmd_rfdetr.training.build import build_trainer, unwrap
+    from spmd_rfdetr.config.options import DataOptions, MeshOptions, ModelOptions, OptimOptions, TrainerOptions
+    from spmd_rfdetr.xla.fabric import spmd_fabric
+    from spmd_rfdetr.xla.mesh import build_mesh
+    from spmd_rfdetr.model.upstream import build_model, upstream_configs
+    from spmd_rfdetr.aot.plan import memory_row
 
     args = json.loads(sys.argv[1])
     saved = torch.load(args["inputs"], weights_only=False)
@@ -292,7 +292,7 @@ def fsdp_child(inputs: JobInputs, out: Path) -> subprocess.CompletedProcess[str]
     """:data:`CHILD` on 8 devices from the tiny model's initial weights on its first 3 batches."""
     import dataclasses
 
-    from conftest import TINY_MAX_TARGETS, TINY_MODEL
+    from support.models import TINY_MAX_TARGETS, TINY_MODEL
 
     torch.save({"batches": inputs.tiny.batches[:3], "init": inputs.tiny.init_state}, out / "inputs.pt")
     args = {"inputs": str(out / "inputs.pt"), "model": dataclasses.asdict(TINY_MODEL), "max_targets": TINY_MAX_TARGETS,

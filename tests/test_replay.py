@@ -17,12 +17,13 @@ import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
 
-from conftest import EVAL_EVERY, FIT_WARMUP, LOOP_STEPS, loop_config, read_metrics, sigterm_after
-from spmd_rfdetr.config import OptimOptions
-from spmd_rfdetr.metrics import xla_counters
-from spmd_rfdetr.model import DeviceLRSchedule, lr_factor
-from spmd_rfdetr.replay import Replayer, ReplayUnsafe
-from spmd_rfdetr.step import TrainStep
+from support.models import EVAL_EVERY, FIT_WARMUP, LOOP_STEPS, loop_config
+from support.runs import read_metrics, sigterm_after
+from spmd_rfdetr.config.options import OptimOptions
+from spmd_rfdetr.training.metrics import xla_counters
+from spmd_rfdetr.training.optim import DeviceLRSchedule, lr_factor
+from spmd_rfdetr.xla.replay import Replayer, ReplayUnsafe
+from spmd_rfdetr.training.step import TrainStep
 
 
 #: The trace-mode fit stops (a real SIGTERM, in process) once this step is logged: through warm-up into cosine, and
@@ -35,7 +36,7 @@ TRACE_STEPS = 8
 def trace_fit_run(tiny, synth_dir, tmp_path_factory):
     """The loop fit's config in trace mode, stopped by a SIGTERM after :data:`TRACE_STEPS` steps (each step is
     traced by Python and compiled code is looked up by hash: seconds per step, so not all of them)."""
-    from spmd_rfdetr import loop
+    from spmd_rfdetr.training import loop
 
     cfg = loop_config(tiny, synth_dir, tmp_path_factory.mktemp("fit-trace"), "trace")
     with sigterm_after(Path(cfg.trainer.output_dir), TRACE_STEPS):
@@ -128,7 +129,7 @@ def toy_optim() -> OptimOptions:
 
 def eager_toy_losses(batches, bake: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same toy training on the CPU: torch AdamW + clipping + the Python schedule :func:`lr_factor`."""
-    from spmd_rfdetr.step import forward_loss
+    from spmd_rfdetr.training.step import forward_loss
 
     torch.manual_seed(0)
     net, criterion, optim = ToyDetector(), ToyCriterion(bake), toy_optim()
@@ -168,7 +169,7 @@ def test_replayed_toy_training_equals_eager_and_a_baked_value_falls_back(mesh_tr
     steps = 6
     cpu_batches = toy_batches(steps)
     ref_losses, ref_state = eager_toy_losses(cpu_batches, bake)
-    with caplog.at_level(logging.WARNING, logger="spmd_rfdetr.step"):
+    with caplog.at_level(logging.WARNING, logger="spmd_rfdetr.training.step"):
         step, losses, state = run_toy(mesh_trainer, cpu_batches, bake, "replay")
     _, trace_losses, trace_state = run_toy(mesh_trainer, cpu_batches, bake, "trace")
     assert losses == pytest.approx(trace_losses, rel=1e-6)  # replay == lazy tracing, step for step
@@ -270,7 +271,7 @@ def test_precompiled_programs_leave_the_state_alone_and_train_as_compiled_at_fir
 def test_a_program_dropped_from_the_compilation_cache_is_compiled_again(mesh_trainer):
     """torch_xla's compilation cache is an LRU (``XLA_COMPILATION_CACHE_SIZE``, bounded in conftest): a replayed
     program it dropped is traced and compiled again, not a crash."""
-    from conftest import COMPILATION_CACHE_SIZE
+    from support.environment import COMPILATION_CACHE_SIZE
 
     weight = torch.zeros(4, device=torch_xla.device())
     torch_xla.sync()

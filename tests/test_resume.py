@@ -17,9 +17,9 @@ import pytest
 import torch
 import yaml
 
-from conftest import (LOOP_STEPS, NOISE, PREEMPTED_EVAL_EVERY, PREEMPTED_SIGTERM_STEP, XLA_NOTE, PreemptedRun, noise,
-                      read_metrics, sigterm_after)
-from spmd_rfdetr.data import SeededSamples, TrainBatches
+from support.models import LOOP_STEPS, PREEMPTED_EVAL_EVERY, PREEMPTED_SIGTERM_STEP
+from support.runs import NOISE, XLA_NOTE, PreemptedRun, noise, read_metrics, sigterm_after
+from spmd_rfdetr.data.batches import SeededSamples, TrainBatches
 
 
 def test_batches_from_any_step_are_the_straight_runs_batches():
@@ -197,9 +197,9 @@ def test_a_nan_step_stops_fit_or_is_skipped(tiny, synth_dir: str, loop_run: Path
     ``stop`` ends the run there, naming the step, with the step-4 checkpoint finite and no last.pth; ``skip_step``
     trains on with exactly one skipped step and finite weights, until a real SIGTERM after step 8 stops it (it
     finishes the step in flight and saves a finite training state: the run need not go to its end to show it)."""
-    from conftest import loop_config, read_training_checkpoint
-    from spmd_rfdetr import loop
-    from spmd_rfdetr.loader import NAN_BATCH_ENV
+    from support.models import loop_config, read_training_checkpoint
+    from spmd_rfdetr.training import loop
+    from spmd_rfdetr.xla.loader import NAN_BATCH_ENV
 
     monkeypatch.setenv(NAN_BATCH_ENV, "5")
     (tmp_path / "stop").mkdir()
@@ -241,9 +241,10 @@ def test_sigterm_during_the_first_compile_exits_at_once(tmp_path: Path):
     import subprocess
     import sys
 
-    from conftest import LOOP_MODEL, ROOT
+    from support.models import LOOP_MODEL
+    from support.runs import ROOT
 
-    from spmd_rfdetr.synth import synth
+    from spmd_rfdetr.data.synth import synth
 
     synth(str(tmp_path / "data"), train_images=8, valid_images=1, test_images=0, image_size=64)
     out = tmp_path / "out"
@@ -276,10 +277,10 @@ def test_a_save_slower_than_the_preemption_notice_warns(tmp_path: Path, monkeypa
     ~30 s notice; a quick one does not."""
     import logging
 
-    from spmd_rfdetr import checkpoint
+    from spmd_rfdetr.training import checkpoint
 
     state = {"model.w": torch.arange(6.0).reshape(2, 3)}
-    with caplog.at_level(logging.INFO, logger="spmd_rfdetr.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="spmd_rfdetr.training.checkpoint"):
         checkpoint.save(tmp_path, 1, state, {}, keep=2)
         assert "saved" in caplog.text and "saving took" not in caplog.text
         monkeypatch.setattr(checkpoint, "SLOW_SAVE_S", 0.2)

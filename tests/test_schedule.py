@@ -2,7 +2,7 @@
 
 rfdetr 1.11.2's managed schedule is a ``LambdaLR``: linear warm-up ``s / w`` (0 at the first step), then cosine to
 ``min_factor`` (default 0.0) or a 10x drop after ``lr_drop`` epochs (default 100); its default preset is ``step``.
-Ours (:func:`spmd_rfdetr.model.lr_factor`, computed on the device by :class:`DeviceLRSchedule`) keeps its cosine and
+Ours (:func:`spmd_rfdetr.training.optim.lr_factor`, computed on the device by :class:`DeviceLRSchedule`) keeps its cosine and
 step formulas, and deliberately differs in: the warm-up ``(s + 1) / (w + 1)`` (never 0), the defaults (cosine,
 ``min_lr_factor`` 0.05), the drop step counted in steps, and a ``constant`` kind (rfdetr has none). Each test below
 pins one agreement or one difference.
@@ -18,8 +18,8 @@ import torch
 from rfdetr.config import _MANAGED_SCHEDULER_DEFAULTS, TrainConfig
 from rfdetr.training.module_model import _build_managed_scheduler
 
-from spmd_rfdetr.config import OptimOptions
-from spmd_rfdetr.model import DeviceLRSchedule, lr_factor
+from spmd_rfdetr.config.options import OptimOptions
+from spmd_rfdetr.training.optim import DeviceLRSchedule, lr_factor
 
 F32 = 1e-6  # the device schedule computes in float32
 
@@ -101,7 +101,7 @@ def test_our_defaults_differ_from_rfdetrs_as_documented() -> None:
     """The differences ``OptimOptions``' docstrings state: cosine (rfdetr: step) down to 0.05 (rfdetr: 0.0)."""
     import inspect
 
-    from spmd_rfdetr import config
+    from spmd_rfdetr.config import options as config
 
     ours, theirs = OptimOptions(), TrainConfig(dataset_dir=".", output_dir=".")
     assert (ours.schedule, theirs.lr_scheduler) == ("cosine", "step")
@@ -119,8 +119,8 @@ def toy_step(optim: OptimOptions, max_steps: int, schedule: bool):
     value baked into the graph shows up as a new compile."""
     from test_replay import ToyCriterion, ToyDetector
 
-    from spmd_rfdetr.fabric import spmd_fabric
-    from spmd_rfdetr.step import TrainStep
+    from spmd_rfdetr.xla.fabric import spmd_fabric
+    from spmd_rfdetr.training.step import TrainStep
 
     fabric = spmd_fabric()
     torch.manual_seed(0)
@@ -140,7 +140,7 @@ def test_a_factor_of_exactly_1_or_0_compiles_nothing_new() -> None:
     see a baked value."""
     from test_replay import toy_batches
 
-    from spmd_rfdetr.metrics import xla_counters
+    from spmd_rfdetr.training.metrics import xla_counters
 
     optim = OptimOptions(lr=0.05, weight_decay=0.01, warmup_steps=2, schedule="cosine", min_lr_factor=0.0,
                          clip_max_norm=0.5)

@@ -129,7 +129,7 @@ def test_segm_map_equals_pycocotools_on_predicts_rles(seg_run: SegRun, synth_dir
     from pycocotools.cocoeval import COCOeval
     from rfdetr.evaluation.coco_eval import patched_pycocotools_summarize
 
-    from spmd_rfdetr.coco import MAX_DETS, label2cat_for, stat_names
+    from spmd_rfdetr.eval.coco import MAX_DETS, label2cat_for, stat_names
 
     record = final_record(seg_run)
     gt = COCO(str(Path(synth_dir) / "valid" / "_annotations.coco.json"))
@@ -160,12 +160,12 @@ def test_segm_map_equals_upstream_eager_eval_of_last_pth(seg_run: SegRun) -> Non
     from rfdetr.datasets import get_coco_api_from_dataset
     from rfdetr.evaluation.coco_eval import CocoEvaluator
 
-    from spmd_rfdetr.coco import stat_names
-    from spmd_rfdetr.config import RunConfig
-    from spmd_rfdetr.data import upstream_split
-    from spmd_rfdetr.model import build_model, build_upstream_criterion, upstream_configs
-    from spmd_rfdetr.step import as_samples
-    from spmd_rfdetr.weights import inference_config, read_weights
+    from spmd_rfdetr.eval.coco import stat_names
+    from spmd_rfdetr.config.options import RunConfig
+    from spmd_rfdetr.data.splits import upstream_split
+    from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
+    from spmd_rfdetr.model.inputs import as_samples
+    from spmd_rfdetr.model.weights import inference_config, read_weights
 
     record = final_record(seg_run)
     saved = read_weights(seg_run.out / "last.pth")
@@ -200,7 +200,7 @@ def test_upstream_from_checkpoint_predicts_our_masks(seg_run: SegRun) -> None:
     IoU >= 0.99 (at the model's resolution, where neither side resizes the image)."""
     from pycocotools import mask as mask_util
 
-    from spmd_rfdetr.coco import label2cat_for
+    from spmd_rfdetr.eval.coco import label2cat_for
 
     assert seg_run.upstream.returncode == 0, seg_run.upstream.stderr[-3000:]
     theirs = json.loads(seg_run.upstream.stdout.strip().splitlines()[-1])
@@ -233,10 +233,10 @@ def test_export_onnx_of_a_seg_model_runs_like_the_eager_model(seg_run: SegRun, t
     onnxruntime = pytest.importorskip("onnxruntime", reason="ONNX export needs rfdetr's onnx extra")
 
     from spmd_rfdetr.cli import main
-    from spmd_rfdetr.config import RunConfig
-    from spmd_rfdetr.model import build_model, upstream_configs
-    from spmd_rfdetr.step import as_samples
-    from spmd_rfdetr.weights import inference_config, read_weights
+    from spmd_rfdetr.config.options import RunConfig
+    from spmd_rfdetr.model.upstream import build_model, upstream_configs
+    from spmd_rfdetr.model.inputs import as_samples
+    from spmd_rfdetr.model.weights import inference_config, read_weights
 
     final_record(seg_run)
     checkpoint = seg_run.out / "last.pth"

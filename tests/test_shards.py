@@ -1,5 +1,5 @@
 """Work that stays on each device of a batch-sharded mesh: manual-sharding regions (the matcher's loop, gathers and
-their gradients) and the rfdetr/torch functions rewritten so that nothing crosses chips (``spmd_rfdetr.xla_safe``).
+their gradients) and the rfdetr/torch functions rewritten so that nothing crosses chips (``spmd_rfdetr.model.xla_safe``).
 
 Each is compared with the plain computation (eager CPU or upstream's own code); that nothing crosses chips is the TPU
 compiler's to say (``tests/test_aot.py`` counts the collectives of the whole step).
@@ -14,9 +14,9 @@ import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
 
-from spmd_rfdetr import xla_safe
-from spmd_rfdetr.matching import solve_assignment
-from spmd_rfdetr.mesh import build_mesh, on_each_shard, take_rows
+from spmd_rfdetr.model import xla_safe
+from spmd_rfdetr.model.matching import solve_assignment
+from spmd_rfdetr.xla.mesh import build_mesh, on_each_shard, take_rows
 
 BATCH = ("data", "fsdp")
 
@@ -150,7 +150,7 @@ def test_a_python_number_operand_is_taken_in_the_tensors_dtype_as_eager_pytorch(
     TPUs lack): at x = float32(0.01), ``x >= 0.01`` is False there and True in eager PyTorch, which compares in the
     tensor's dtype. With ``xla_safe``'s kernels every comparison, ``isfinite`` and ``addcmul_``'s value (AdamW's
     ``1 - beta2``) give eager CPU's results with no f64 input in the program."""
-    from spmd_rfdetr.replay import lower
+    from spmd_rfdetr.xla.lowering import lower
 
     xla_safe._install_number_operands()  # (building any model installs it; idempotent)
     host = torch.tensor([0.01, 0.0099, 0.0101, -1.0, float("inf"), float("nan")])

@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spmd_rfdetr.data import StaticCollate, pad_target
-from spmd_rfdetr.evaluate import EvalBatches, EvalCollate
-from spmd_rfdetr.masks import unpack_masks
+from spmd_rfdetr.data.batches import StaticCollate, pad_target
+from spmd_rfdetr.eval.batches import EvalBatches, EvalCollate
+from spmd_rfdetr.model.masks import unpack_masks
 
 unit = st.floats(0.0, 1.0, allow_nan=False, width=32)
 

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 from pycocotools.coco import COCO
 
-from spmd_rfdetr.synth import COLOURS, SHAPES, SPLITS, render_image, synth
+from spmd_rfdetr.data.synth import COLOURS, SHAPES, SPLITS, render_image, synth
 
 SMALL = dict(train_images=6, valid_images=3, test_images=2, image_size=96, num_classes=4, max_objects=5)
 
@@ -70,9 +70,9 @@ def test_rfdetr_reader(dataset: Path) -> None:
 def test_masks_are_exact_through_rfdetr_and_pycocotools(dataset: Path) -> None:
     """Each annotation's ``segmentation`` (an RLE) decodes to exactly the drawn shape: in rfdetr's reader of a seg model
     (``target["masks"]``, before and, on valid, after its transforms) and in pycocotools' ``annToMask``."""
-    from spmd_rfdetr.config import DataOptions, ModelOptions, OptimOptions
-    from spmd_rfdetr.data import upstream_split
-    from spmd_rfdetr.model import upstream_configs
+    from spmd_rfdetr.config.options import DataOptions, ModelOptions, OptimOptions
+    from spmd_rfdetr.data.splits import upstream_split
+    from spmd_rfdetr.model.upstream import upstream_configs
 
     model = ModelOptions(variant="seg-nano", resolution=96, pretrain_weights=None)
     cfgs = upstream_configs(model, DataOptions(dataset_dir=str(dataset)), OptimOptions(), SMALL["num_classes"])

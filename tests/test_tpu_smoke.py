@@ -84,7 +84,7 @@ def test_9_a_preempted_fit_resumes_bit_for_bit(tmp_path: Path) -> None:
     client's own ulp drift makes tests/test_resume.py bound them instead)."""
     import signal
 
-    from conftest import read_metrics, wait_for
+    from support.runs import read_metrics, wait_for
 
     data = tmp_path / "synth"
     assert run("synth", "--output_dir", str(data), "--image_size", "384").returncode == 0

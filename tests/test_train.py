@@ -11,11 +11,12 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 
-from conftest import FIRST_STEPS, parity_tolerance
+from support.models import FIRST_STEPS, parity_tolerance
 from jobs import JobInputs, job_fixture
 
-from spmd_rfdetr.metrics import aten_fallbacks, xla_counters
-from spmd_rfdetr.model import build_optimizer, build_upstream_criterion
+from spmd_rfdetr.training.metrics import aten_fallbacks, xla_counters
+from spmd_rfdetr.model.upstream import build_upstream_criterion
+from spmd_rfdetr.training.optim import build_optimizer
 
 
 
@@ -26,7 +27,7 @@ def sharding(t: torch.Tensor) -> str:
 def upstream_steps(tiny, steps: int, on_xla: bool = False) -> tuple[list[float], list[torch.Tensor]]:
     """Upstream rfdetr's own step, from upstream's own pieces only: its model on ``nested_tensor_from_tensor_list``
     samples of its own host float pipeline on the batch's uint8 pixels (``ToDtype`` + ``Normalize``:
-    :func:`~spmd_rfdetr.data.upstream_float`; a float32 batch is taken as that input already), its SetCriterion
+    :func:`~spmd_rfdetr.data.pixels.upstream_float`; a float32 batch is taken as that input already), its SetCriterion
     (SciPy matcher) on each image's real boxes (on XLA padded by its own ``pad_targets_to_fixed_count``, its XLA path), the weighted sum of its training module, AdamW over its parameter
     groups, clipping. On the CPU (eager torch, plain AdamW as rfdetr trains), or ``on_xla``: on the XLA device, traced
     lazily by torch_xla (graphs cut where upstream's matcher reads the costs on the host) with AdamW ``capturable``
@@ -34,7 +35,7 @@ def upstream_steps(tiny, steps: int, on_xla: bool = False) -> tuple[list[float],
     until 2026-11-30, segfaults at random under SPMD: in the forward or in AdamW, about 1 run in 4.)"""
     from rfdetr.utilities.tensors import nested_tensor_from_tensor_list, pad_targets_to_fixed_count
 
-    from spmd_rfdetr.data import upstream_float
+    from spmd_rfdetr.data.pixels import upstream_float
 
     device = torch_xla.device() if on_xla else torch.device("cpu")
     net = tiny.model().to(device)
@@ -77,10 +78,10 @@ import dataclasses, json, sys, types, torch
 import torch_xla.runtime as xr
 xr.use_spmd()
 sys.path.insert(0, sys.argv[2])
-from spmd_rfdetr.build import build_trainer
-from spmd_rfdetr.fabric import spmd_fabric
-from spmd_rfdetr.mesh import build_mesh
-from spmd_rfdetr.model import build_model, upstream_configs
+from spmd_rfdetr.training.build import build_trainer
+from spmd_rfdetr.xla.fabric import spmd_fabric
+from spmd_rfdetr.xla.mesh import build_mesh
+from spmd_rfdetr.model.upstream import build_model, upstream_configs
 from test_train import upstream_steps
 saved = torch.load(sys.argv[1], weights_only=False)
 cfg = saved["cfg"]
@@ -200,7 +201,7 @@ def upstream_ema(model: torch.nn.Module, decay: float, tau: int):
 def test_ema_from_the_first_update_equals_upstreams_trainer() -> None:
     """DeviceEMA on the XLA mesh against upstream's AveragedModel on the CPU from a fresh start: the first update
     copies the weights (rfdetr's legacy ModelEma would average the initial weights in), then the warm-up decays."""
-    from spmd_rfdetr.ema import DeviceEMA
+    from spmd_rfdetr.training.ema import DeviceEMA
 
     torch.manual_seed(0)
     live = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
@@ -226,7 +227,7 @@ def test_ema_from_the_first_update_equals_upstreams_trainer() -> None:
 def test_ema_in_the_step_equals_upstreams_trainer_on_the_same_weights(tiny, mesh_trainer):
     """Upstream's trainer's EMA on the CPU, fed the weights our step produced after each step, from the EMA state the
     session's trainer has now: the averages our compiled step kept agree to 1e-6, and updating them cost nothing."""
-    from spmd_rfdetr.build import unwrap
+    from spmd_rfdetr.training.build import unwrap
 
     ema, model = mesh_trainer.ema, unwrap(mesh_trainer.model)
     reference = upstream_ema(tiny.model(), decay=ema.decay, tau=ema.tau)
@@ -283,7 +284,7 @@ def test_accumulating_two_micro_batches_equals_one_batch(tiny, mesh_trainer, fir
     zero-size learned reference boxes make its gradients differ between any two programs (conftest's LOOP_MODEL)."""
     import dataclasses
 
-    from spmd_rfdetr.build import build_trainer
+    from spmd_rfdetr.training.build import build_trainer
 
     optim = dataclasses.replace(tiny.cfg.optim, accumulate=2)
     trainer = build_trainer(mesh_trainer.fabric, tiny.cfgs, optim, tiny.cfg.trainer, model=tiny.model(),
@@ -319,7 +320,7 @@ def test_scipy_matcher_steps_equal_the_device_matchers(first_steps, xla_child):
 def test_a_stray_host_sync_in_the_step_fails_loudly(tiny, mesh_trainer, mode):
     """full_graph=True: an `.item()` inside the step raises torch_xla's own error (execution is disallowed while the
     step is traced) instead of silently splitting the graph; replay raises while tracing, before the step compiles."""
-    from spmd_rfdetr.step import TrainStep
+    from spmd_rfdetr.training.step import TrainStep
 
     class SyncingCriterion(torch.nn.Module):
         def __init__(self, inner):

@@ -21,9 +21,9 @@ import torch
 from rfdetr.assets.model_weights import ModelWeights
 from rfdetr.models.postprocess import PostProcess
 
-from spmd_rfdetr import resolve
-from spmd_rfdetr.config import ConfigError, DataOptions, EvalOptions, ModelOptions, OptimOptions, RunConfig
-from spmd_rfdetr.resolve import fetch_pretrain_weights, resolve_and_check
+from spmd_rfdetr.config import resolve
+from spmd_rfdetr.config.options import ConfigError, DataOptions, EvalOptions, ModelOptions, OptimOptions, RunConfig
+from spmd_rfdetr.config.resolve import fetch_pretrain_weights, resolve_and_check
 
 ROOT = Path(__file__).resolve().parents[1]
 #: rfdetr's config class per variant, named here from rfdetr itself (the outside reference).
@@ -45,7 +45,7 @@ def offline(env: dict[str, str], rf_home: Path) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------- pretrain weights
 @pytest.mark.parametrize("variant", list(UPSTREAM))
 def test_the_default_is_the_variants_published_checkpoint_as_rfdetr_says(variant: str) -> None:
-    from spmd_rfdetr.model import upstream_configs
+    from spmd_rfdetr.model.upstream import upstream_configs
 
     assert ModelOptions().pretrain_weights == "auto"
     published = UPSTREAM[variant]().pretrain_weights
@@ -130,7 +130,7 @@ def test_from_scratch_is_said_once_in_plain_words(tmp_path: Path, monkeypatch: p
         for _ in range(2):
             fetch_pretrain_weights(ModelOptions(pretrain_weights=None))
     said = [r for r in caplog.records if "training from scratch" in r.getMessage()]
-    assert len(said) == 1 and said[0].name == "spmd_rfdetr.resolve", caplog.records
+    assert len(said) == 1 and said[0].name == "spmd_rfdetr.config.resolve", caplog.records
     assert said[0].getMessage() == (
         "model.pretrain_weights: null: training from scratch (no COCO-pretrained weights); fine-tuning from the "
         "published rf-detr-nano.pth (model.pretrain_weights: auto, the default) usually converges far faster")
@@ -142,9 +142,9 @@ def test_num_select_defaults_to_rfdetrs_lowered_to_the_logits_the_model_outputs(
     (30 queries, 3 classes) outputs 120, so rfdetr's 300 becomes 120, every detection that top-k can keep (it keeps
     no more whatever its ``num_select``); a 300-query model keeps rfdetr's own default. Our evaluation reads the same
     value, and so do rfdetr's checkpoint entries (tests/test_interop.py)."""
-    from spmd_rfdetr.evaluate import eval_sizes
-    from spmd_rfdetr.model import build_model, build_upstream_criterion, upstream_configs
-    from spmd_rfdetr.step import as_samples
+    from spmd_rfdetr.eval.evaluator import eval_sizes
+    from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
+    from spmd_rfdetr.model.inputs import as_samples
 
     full = upstream_configs(ModelOptions(pretrain_weights=None), DataOptions(), OptimOptions(), 90)
     assert full.model.num_select == rfdetr.config.RFDETRNanoConfig().num_select == 300
@@ -165,8 +165,8 @@ def test_num_select_defaults_to_rfdetrs_lowered_to_the_logits_the_model_outputs(
 def test_eval_num_select_is_the_models_and_more_than_its_logits_is_a_config_error(
         capsys: pytest.CaptureFixture[str], synth_dir: str) -> None:
     from spmd_rfdetr.cli import main
-    from spmd_rfdetr.evaluate import eval_sizes
-    from spmd_rfdetr.model import build_upstream_criterion, upstream_configs
+    from spmd_rfdetr.eval.evaluator import eval_sizes
+    from spmd_rfdetr.model.upstream import build_upstream_criterion, upstream_configs
 
     cfgs = upstream_configs(SCRATCH, DataOptions(), OptimOptions(), 3, num_select=50)
     assert cfgs.model.num_select == build_upstream_criterion(cfgs)[1].num_select == 50

@@ -149,7 +149,7 @@ def main_scaling(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main_matcher(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from spmd_rfdetr.model import upstream_configs
+    from spmd_rfdetr.model.upstream import upstream_configs
 
     cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, cfg.model.num_classes)
     groups, layers = cfgs.model.group_detr, cfgs.model.dec_layers + (1 if cfgs.model.two_stage else 0)

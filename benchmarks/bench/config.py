@@ -26,7 +26,7 @@ class StepMode:
 #: ``--step-mode`` choices. A new way to run the step is one entry here (the ``TrainerOptions`` fields it sets);
 #: ``build_trainer`` does the rest.
 STEP_MODES: dict[str, StepMode] = {
-    "replay": StepMode("step traced once, its compiled program replayed every step (spmd_rfdetr.replay)",
+    "replay": StepMode("step traced once, its compiled program replayed every step (spmd_rfdetr.xla.replay)",
                        {"step_mode": "replay"}),
     "trace": StepMode("torch_xla.compile(full_graph=True): lazy tracing of the step's Python every step",
                       {"step_mode": "trace"}),
@@ -54,7 +54,7 @@ def apply_step_mode(cfg: Any, mode: str) -> None:
 
 def _sections() -> dict[str, type]:
     """``RunConfig``'s sections and their option classes (``model``, ``data``, ``optim``, ``mesh``, ``trainer``, ...)."""
-    from spmd_rfdetr.config import RunConfig
+    from spmd_rfdetr.config.options import RunConfig
 
     return {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}  # type: ignore[misc]
 
@@ -63,7 +63,7 @@ def load_run_config(path: str | None) -> Any:
     """Our ``RunConfig`` from a ``fit`` YAML."""
     import yaml
 
-    from spmd_rfdetr.config import RunConfig
+    from spmd_rfdetr.config.options import RunConfig
 
     raw = (yaml.safe_load(Path(path).read_text()) if path else {}) or {}
     sections = _sections()
@@ -77,7 +77,7 @@ def load_run_config(path: str | None) -> Any:
 
 
 def run_config_from_dict(d: dict[str, Any]) -> Any:
-    from spmd_rfdetr.config import RunConfig
+    from spmd_rfdetr.config.options import RunConfig
 
     return RunConfig(**{name: cls(**d[name]) for name, cls in _sections().items()})
 

@@ -2,7 +2,7 @@
 
 rfdetr's own training dataset and transforms for the config, batched by the training loader ``fit`` uses
 (``make_train_loader``: seeded shuffles, ``StaticCollate`` to fixed shapes, endless) at the config's resolution and
-global batch, per ``--loader-pipeline``: ``uint8`` is what ``fit`` reads (``spmd_rfdetr.data.build_split``: uint8
+global batch, per ``--loader-pipeline``: ``uint8`` is what ``fit`` reads (``spmd_rfdetr.data.splits.build_split``: uint8
 pixels, normalised on the device), ``float`` rfdetr's pipeline as it ships (``upstream_split``: ``ToDtype`` +
 ``Normalize`` on the host, float32 batches; what this project sent before). ``--loader-jpegs 640x480,1280x960``
 writes a photo-like JPEG train split of each size (:func:`write_jpeg_split`) and reads those instead of
@@ -55,7 +55,7 @@ def measure_workers(dataset: Any, data: Any, resolution: int, workers: int, batc
 
 
 def _measure(dataset: Any, data: Any, resolution: int, workers: int, batches: int, seed: int) -> dict[str, Any]:
-    from spmd_rfdetr.data import make_train_loader
+    from spmd_rfdetr.data.batches import make_train_loader
 
     loader = make_train_loader(dataset, dataclasses.replace(data, num_workers=workers), resolution, seed=seed,
                                float_pixels=True)  # rfdetr's float pipeline is one of the two measured
@@ -90,7 +90,7 @@ def _xla_runtime_started() -> bool | None:
     return bool(sys.modules["torch_xla"]._XLAC._xla_runtime_is_initialized())
 
 
-#: ``--loader-pipeline`` choices: the dataset builder of each (names in ``spmd_rfdetr.data``).
+#: ``--loader-pipeline`` choices: the dataset builder of each (names in ``spmd_rfdetr.data.batches``).
 PIPELINES = {"float": "upstream_split", "uint8": "build_split"}
 
 
@@ -144,8 +144,8 @@ def _sources(args: argparse.Namespace, dataset_dir: str, batch: int) -> list[tup
 
 
 def main_loader(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from spmd_rfdetr import data as data_module
-    from spmd_rfdetr.model import upstream_configs
+    from spmd_rfdetr.data import splits as data_module
+    from spmd_rfdetr.model.upstream import upstream_configs
 
     workers = [int(w) for w in args.loader_workers.split(",") if w.strip()]
     if not workers or min(workers) < 0:

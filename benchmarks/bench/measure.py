@@ -202,10 +202,11 @@ def count_flops_per_image(net_cpu: Any, cfgs: Any, batch: dict[str, Any]) -> flo
     """FLOPs of one training forward + loss + backward of the model on the CPU (eager), per image."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from spmd_rfdetr.data import targets_list, upstream_float
-    from spmd_rfdetr.loss import total_loss
-    from spmd_rfdetr.model import build_upstream_criterion
-    from spmd_rfdetr.step import as_samples
+    from spmd_rfdetr.data.pixels import upstream_float
+    from spmd_rfdetr.model.inputs import targets_list
+    from spmd_rfdetr.model.loss import total_loss
+    from spmd_rfdetr.model.upstream import build_upstream_criterion
+    from spmd_rfdetr.model.inputs import as_samples
 
     model = copy.deepcopy(net_cpu).train()
     images = upstream_float(batch["images"])  # normalised before counting, as upstream's host does

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from spmd_rfdetr.runtime import PRECISIONS
+from spmd_rfdetr.xla.runtime import PRECISIONS
 
 from .config import STEP_MODES, apply_step_mode, run_config_from_dict
 from .measure import (
@@ -35,7 +35,7 @@ SCHEDULE_STEPS = 1_000_000
 def synthetic_batches(batch: int, resolution: int, max_targets: int, num_classes: int, count: int,
                       seed: int) -> list[dict[str, Any]]:
     """Fixed static batches: random uint8 pixels (as the train loader's; upstream's side puts them through its own
-    ToDtype + Normalize, :func:`~spmd_rfdetr.data.upstream_float`), 1..T valid random cxcywh boxes per image."""
+    ToDtype + Normalize, :func:`~spmd_rfdetr.data.pixels.upstream_float`), 1..T valid random cxcywh boxes per image."""
     import torch
 
     g = torch.Generator().manual_seed(seed + 1)
@@ -66,11 +66,11 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch_xla
 
-    from spmd_rfdetr.build import build_trainer
-    from spmd_rfdetr.resolve import resolve_and_check
-    from spmd_rfdetr.fabric import spmd_fabric
-    from spmd_rfdetr.mesh import batch_shard_count, build_mesh
-    from spmd_rfdetr.model import build_model, upstream_configs
+    from spmd_rfdetr.training.build import build_trainer
+    from spmd_rfdetr.config.resolve import resolve_and_check
+    from spmd_rfdetr.xla.fabric import spmd_fabric
+    from spmd_rfdetr.xla.mesh import batch_shard_count, build_mesh
+    from spmd_rfdetr.model.upstream import build_model, upstream_configs
 
     mode = spec.get("step_mode", "replay")
     label = f"ours ({mode})"
@@ -153,10 +153,12 @@ def child_upstream(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch_xla
 
-    from spmd_rfdetr.data import targets_list, upstream_float
-    from spmd_rfdetr.loss import total_loss
-    from spmd_rfdetr.model import build_model, build_optimizer, build_upstream_criterion, upstream_configs
-    from spmd_rfdetr.step import as_samples
+    from spmd_rfdetr.data.pixels import upstream_float
+    from spmd_rfdetr.model.inputs import targets_list
+    from spmd_rfdetr.model.loss import total_loss
+    from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
+    from spmd_rfdetr.training.optim import build_optimizer
+    from spmd_rfdetr.model.inputs import as_samples
 
     m, d = cfg.model, cfg.data
     device = torch_xla.device()
@@ -221,7 +223,7 @@ def child_matcher(spec: dict[str, Any]) -> dict[str, Any]:
     from rfdetr.models.matcher import HungarianMatcher
     from scipy.optimize import linear_sum_assignment
 
-    from spmd_rfdetr.matching import solve_assignment_with_stats
+    from spmd_rfdetr.model.matching import solve_assignment_with_stats
 
     device = torch_xla.device()
     images, groups, reps = spec["images"], spec["group_detr"], spec["reps"]

@@ -29,8 +29,8 @@ from typing import Any
 
 from spmd_rfdetr.aot.chips import TopologyError, parse_topology, valid_names
 from spmd_rfdetr.aot.trace import config_to_yaml
-from spmd_rfdetr.config import ConfigError, RunConfig
-from spmd_rfdetr.resolve import TRACED_FOR_ENV, resolve_and_check
+from spmd_rfdetr.config.options import ConfigError, RunConfig
+from spmd_rfdetr.config.resolve import TRACED_FOR_ENV, resolve_and_check
 
 GiB = 2**30
 INSTALL = 'pip install -e ".[aot]"'

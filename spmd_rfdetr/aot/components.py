@@ -61,22 +61,23 @@ from spmd_rfdetr.aot.op_costs import fused_flops, gather_bytes, instruction_byte
 RULES: list[tuple[str, str]] = [
     # the matcher's solver first: the device auction's While bodies are lowered late, after the optimizer has run,
     # and their ops carry the Python frame of whatever ran then (adam.py, step.py) besides their op name
-    ("matcher: solver", r"^matcher\.solver/|xla__assignment_while|spmd_rfdetr/matching\.py"),
+    ("matcher: solver",
+     r"^matcher\.solver/|xla__assignment_while|spmd_rfdetr/model/matching\.py|spmd_rfdetr/xla/while_loop\.py"),
     # the training step's own scopes (labels) and files
-    ("EMA", r"^ema/|spmd_rfdetr/ema\.py"),
+    ("EMA", r"^ema/|spmd_rfdetr/training/ema\.py"),
     ("AdamW", r"^adamw/|torch/optim/(adamw?|optimizer)\.py"),
     ("gradient clipping", r"^clip/|torch/nn/utils/clip_grad\.py"),
-    ("LR schedule", r"^lr_schedule/|torch/optim/lr_scheduler\.py|spmd_rfdetr/model\.py"),
-    ("non-finite guard", r"^nonfinite_guard/|spmd_rfdetr/step\.py"),
+    ("LR schedule", r"^lr_schedule/|torch/optim/lr_scheduler\.py|spmd_rfdetr/training/optim\.py"),
+    ("non-finite guard", r"^nonfinite_guard/|spmd_rfdetr/training/step\.py"),
     ("matcher: cost", r"^matcher\.(cost|mask_cost)/|rfdetr/models/matcher\.py"),
     # the criterion, by loss: masks by scope, GIoU and L1 by the line inside them (rfdetr's box_ops, F.l1_loss)
-    ("criterion: masks", r"^criterion\.masks/|spmd_rfdetr/masks\.py"),
+    ("criterion: masks", r"^criterion\.masks/|spmd_rfdetr/model/masks\.py"),
     ("criterion: GIoU", r"^criterion[^|]*\|.*(box_ops\.py:(1[2-9]\d)|torchvision/ops/boxes\.py)"),
     ("criterion: box (L1)", r"^criterion[^|]*\|.*torch/nn/functional\.py:37\d\d"),
-    ("criterion: class", r"^criterion|spmd_rfdetr/loss\.py|rfdetr/models/criterion\.py"),
+    ("criterion: class", r"^criterion|spmd_rfdetr/model/loss\.py|rfdetr/models/criterion\.py"),
     # the model, by module path (labels), then by source file
     ("deformable cross-attention: sampler",
-     r"cross_attn[^|]*\|.*(ms_deform_attn_func\.py|spmd_rfdetr/xla_safe\.py|spmd_rfdetr/mesh\.py|"
+     r"cross_attn[^|]*\|.*(ms_deform_attn_func\.py|spmd_rfdetr/model/xla_safe\.py|spmd_rfdetr/xla/mesh\.py|"
      r"rfdetr/utilities/tensors\.py)|ms_deform_attn_func\.py"),
     ("deformable cross-attention", r"\.cross_attn\b|ms_deform_attn\.py"),
     ("decoder self-attention", r"\.self_attn\b"),
@@ -85,8 +86,8 @@ RULES: list[tuple[str, str]] = [
     ("decoder (FFN, norms, reference points)", r"^transformer\.decoder|^transformer\b|rfdetr/models/transformer\.py"),
     ("projector", r"^backbone\.0\.projector|backbone/projector\.py"),
     ("DINOv2 backbone", r"^backbone|dinov2|rfdetr/models/backbone/|position_encoding\.py"),
-    ("eval post-processing", r"postprocess\.py|spmd_rfdetr/evaluate\.py"),
-    ("input normalisation", r"spmd_rfdetr/data\.py"),
+    ("eval post-processing", r"postprocess\.py|spmd_rfdetr/eval/evaluator\.py"),
+    ("input normalisation", r"spmd_rfdetr/data/pixels\.py"),
 ]
 
 #: torch_xla's op names of what autograd ran, for ops without a label or a source line.

@@ -32,8 +32,8 @@ from typing import Any
 
 from spmd_rfdetr.aot import chips as chips_mod
 from spmd_rfdetr.aot.components import bytes_by_component, format_table
-from spmd_rfdetr.aot.op_costs import gather_fusions
 from spmd_rfdetr.aot.hlo_report import parse_oom, report
+from spmd_rfdetr.aot.op_costs import gather_fusions
 
 #: libtpu probes for TPU hardware and a metadata server unless told it is elsewhere (no effect on the compile); the
 #: JAX runtime stays on the CPU so that a TPU VM's chips are left to torch_xla. A compile needs no chip, so it does not

@@ -2,10 +2,10 @@
 
 ``python -m spmd_rfdetr.aot.trace CONFIG.yaml DIR [--train-only]`` runs in a process whose XLA runtime has as many
 virtual CPU devices as the TPU topology has devices (the ``aot`` verb starts it so; a module traced on fewer devices
-cannot be compiled for more). It builds the trainer exactly as ``fit`` does (:func:`~spmd_rfdetr.build.build_trainer`
+cannot be compiled for more). It builds the trainer exactly as ``fit`` does (:func:`~spmd_rfdetr.training.build.build_trainer`
 on the config's mesh and precision), then for every batch shape ``fit`` would train on (``model.resolution``, or each
 multi-scale bucket) traces the replayed training step on a blank batch of that shape and lowers it to the HLO module
-torch_xla compiles, with the training state it updates marked for donation (:meth:`~spmd_rfdetr.step.TrainStep.lower`);
+torch_xla compiles, with the training state it updates marked for donation (:meth:`~spmd_rfdetr.training.step.TrainStep.lower`);
 and the eval forward + post-processing on a blank eval batch (traced lazily here; ``fit`` compiles the same forward
 with ``torch.compile(backend="openxla")``). Nothing is compiled for the CPU or run: a few tiny set-up graphs (AdamW
 state, copies of the weights) are all that execute. ``XLA_HLO_DEBUG=1`` (set by the verb) puts the Python source
@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from spmd_rfdetr.config import (
+from spmd_rfdetr.config.options import (
     CheckpointOptions,
     DataOptions,
     EvalOptions,
@@ -39,7 +39,7 @@ from spmd_rfdetr.config import (
     TrainerOptions,
     is_segmentation,
 )
-from spmd_rfdetr.resolve import multi_scale_buckets, resolve_and_check, upstream_scales
+from spmd_rfdetr.config.resolve import multi_scale_buckets, resolve_and_check, upstream_scales
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +61,10 @@ def _num_classes(cfg: RunConfig) -> int:
     if cfg.model.num_classes:
         return cfg.model.num_classes
     if (Path(cfg.data.dataset_dir) / "train").is_dir():
-        from spmd_rfdetr.data import num_classes_in
+        from spmd_rfdetr.data.splits import num_classes_in
 
         return num_classes_in(cfg.data.dataset_dir)
-    from spmd_rfdetr.model import VARIANTS
+    from spmd_rfdetr.model.upstream import VARIANTS
 
     default = int(VARIANTS[cfg.model.variant].model_fields["num_classes"].default)
     log.info("no dataset at %s: tracing with rfdetr's default of %d classes (set --model.num_classes)",
@@ -74,20 +74,20 @@ def _num_classes(cfg: RunConfig) -> int:
 
 def trace_programs(cfg: RunConfig, out: Path, train_only: bool = False) -> list[dict[str, Any]]:
     """Trace and lower ``fit``'s programs for ``cfg`` into ``out``; returns the ``programs.json`` entries."""
-    from spmd_rfdetr.runtime import PRECISIONS, setup_runtime
+    from spmd_rfdetr.xla.runtime import PRECISIONS, setup_runtime
 
     setup_runtime(cfg.mesh)
     import torch
     import torch_xla.runtime as xr
 
     from spmd_rfdetr.aot.labels import module_labels
-    from spmd_rfdetr.build import build_trainer, unwrap
-    from spmd_rfdetr.data import blank_batch
-    from spmd_rfdetr.evaluate import EvalForward, eval_sizes
-    from spmd_rfdetr.fabric import spmd_fabric
-    from spmd_rfdetr.mesh import build_mesh
-    from spmd_rfdetr.model import upstream_configs
-    from spmd_rfdetr.replay import lower
+    from spmd_rfdetr.training.build import build_trainer, unwrap
+    from spmd_rfdetr.data.batches import blank_batch
+    from spmd_rfdetr.eval.evaluator import EvalForward, eval_sizes
+    from spmd_rfdetr.xla.fabric import spmd_fabric
+    from spmd_rfdetr.xla.mesh import build_mesh
+    from spmd_rfdetr.model.upstream import upstream_configs
+    from spmd_rfdetr.xla.lowering import lower
 
     devices = xr.global_runtime_device_count()
     resolve_and_check(cfg, devices)
@@ -134,7 +134,7 @@ def step_scopes(trainer: Any) -> list[tuple[str, Any, str]]:
     AdamW, the EMA, the LR schedule and the non-finite guard update tensors in place: their source files tell them."""
     import torch
 
-    import spmd_rfdetr.loss as loss_mod
+    import spmd_rfdetr.model.loss as loss_mod
 
     matcher = getattr(trainer.criterion, "matcher", None)
     return [("clip", torch.nn.utils, "clip_grad_norm_"), ("matcher.cost", matcher, "cost"),

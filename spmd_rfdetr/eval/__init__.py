@@ -1,0 +1,1 @@
+"""The eval program, COCO scoring and the ``validate``/``predict`` verbs."""

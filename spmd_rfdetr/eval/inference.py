@@ -1,0 +1,115 @@
+"""The ``validate`` and ``predict`` verbs: a checkpoint's model on the mesh, run by :mod:`spmd_rfdetr.eval.evaluator`.
+
+The architecture comes from the checkpoint (:func:`spmd_rfdetr.model.weights.inference_config`), so
+``validate --checkpoint output/best.pth`` needs no ``--config``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spmd_rfdetr.config.options import RunConfig
+from spmd_rfdetr.data.check import check_data
+from spmd_rfdetr.eval.coco import label2cat_for
+from spmd_rfdetr.xla import hosts
+from spmd_rfdetr.eval.evaluator import (
+    EvalForward,
+    EvalResult,
+    device_sender,
+    eval_sizes,
+    evaluator_for,
+    run_detection,
+    save_result,
+)
+from spmd_rfdetr.data.images import ImageFolder, eval_transforms
+from spmd_rfdetr.eval.batches import eval_loader
+from spmd_rfdetr.model.weights import inference_config, read_weights
+
+log = logging.getLogger(__name__)
+
+
+def load_for_inference(cfg: RunConfig, checkpoint: str) -> tuple[RunConfig, Any, Any, torch.nn.Module]:
+    """Runtime + Fabric + rfdetr model with the checkpoint's weights, on the mesh.
+
+    Returns (the config completed from the checkpoint, fabric, upstream configs, model).
+    """
+    from spmd_rfdetr.config.resolve import resolve_and_check
+    from spmd_rfdetr.xla.runtime import PRECISIONS, choose_device, setup_runtime
+
+    choose_device(cfg.mesh)  # reading the weights imports rfdetr, which starts torch_xla
+    saved = read_weights(checkpoint)
+    cfg = inference_config(cfg, saved)
+    if cfg.model.num_queries is not None:  # max_targets only shapes training batches: its query-count check is moot
+        cfg.data.max_targets = min(cfg.data.max_targets, cfg.model.num_queries)
+    setup_runtime(cfg.mesh)
+    import torch_xla.runtime as xr
+
+    devices = xr.global_runtime_device_count()
+    resolve_and_check(cfg, devices)
+    log.info("%s on %d %s device(s)", Path(checkpoint).name, devices, xr.device_type())
+    from spmd_rfdetr.data.splits import num_classes_in
+    from spmd_rfdetr.xla.fabric import spmd_fabric
+    from spmd_rfdetr.xla.mesh import build_mesh
+    from spmd_rfdetr.model.upstream import build_model, upstream_configs
+
+    num_classes = cfg.model.num_classes or num_classes_in(cfg.data.dataset_dir)
+    fabric = spmd_fabric(build_mesh(cfg.mesh.data, cfg.mesh.fsdp), precision=PRECISIONS[cfg.trainer.precision])
+    cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, num_classes, cfg.eval.num_select)
+    net = build_model(cfgs)  # an rfdetr checkpoint is loaded here, by rfdetr (cfg.model.pretrain_weights)
+    if saved.kind != "rfdetr":
+        net.load_state_dict(saved.state_dict)
+    net = fabric.setup_module(net.eval())
+    return cfg, fabric, cfgs, net
+
+
+def evaluate_checkpoint(cfg: RunConfig, checkpoint: str, output_dir: str | None = None) -> EvalResult:
+    """COCO-evaluate ``checkpoint`` on ``eval.split``; writes ``coco_eval.json`` + ``detections.json``.
+
+    ``output_dir`` defaults to ``<checkpoint dir>/eval_<checkpoint stem>_<split>``.
+    """
+    cfg, fabric, cfgs, net = load_for_inference(cfg, checkpoint)
+    from spmd_rfdetr.data.splits import build_eval_split  # imports rfdetr, which starts torch_xla: after the device is chosen
+
+    check_data(cfg, [cfg.eval.split])  # the split's annotations and images, before the eval program compiles
+    result = evaluator_for(cfg, cfgs, net, fabric, build_eval_split(cfgs, cfg.eval.split)).run()
+    out = Path(output_dir) if output_dir else Path(checkpoint).parent / f"eval_{Path(checkpoint).stem}_{cfg.eval.split}"
+    summary = save_result(result, out)
+    print(result.table(), flush=True)
+    log.info("wrote %s and %s", summary, out / "detections.json")
+    return result
+
+
+def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
+    """Detect on every image of the folder ``images``; writes COCO results to ``output`` (+ ``.images.json``).
+
+    Category ids are the dataset's (``data.dataset_dir``'s train split label mapping, as in training); boxes are
+    ``[x, y, w, h]`` in pixels of each original image; ``num_select`` detections per image, no score threshold; a seg
+    model's detections also carry their mask as a COCO RLE ``segmentation`` at the image's size.
+    """
+    cfg, fabric, cfgs, net = load_for_inference(cfg, checkpoint)
+    check_data(cfg, [], images=images)  # every image of the folder readable, before the eval program compiles
+    from spmd_rfdetr.data.pixels import uint8_pixels
+
+    folder = ImageFolder(images, uint8_pixels(eval_transforms(cfgs)))  # uint8 pixels, as an eval split's
+    hosts.check_same_on_all_hosts(f"the number of images in {images}", len(folder))  # else: a hang
+    label2cat = label2cat_for(cfg.data.dataset_dir)
+    if label2cat is None:
+        log.warning("%s has no readable train/_annotations.coco.json: category_id is the label index",
+                    cfg.data.dataset_dir)
+    batch_size, num_select = eval_sizes(cfg, cfgs)
+    forward = EvalForward(net, num_select, fabric.strategy.precision.forward_context)
+    loader = eval_loader(folder, batch_size, cfgs.model.resolution, cfg.data.num_workers)
+    order = hosts.mesh_row_order(fabric.strategy.mesh, batch_size)  # several hosts: the global batch's row order
+    results = run_detection(forward, loader, device_sender(fabric.strategy.mesh), order).to_coco(label2cat)
+    out = Path(output)
+    if hosts.is_coordinator():  # several hosts hold the same global detections: host 0 writes them
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results))
+        out.with_suffix(".images.json").write_text(json.dumps(folder.images_json()))
+    print(f"predict: {len(folder)} images, {len(results)} detections -> {out}", flush=True)
+    return out

@@ -1,0 +1,134 @@
+"""rfdetr's mask cost (``HungarianMatcher._compute_mask_costs``) and mask losses (``SetCriterion.loss_masks``) on
+static batches, for the ``seg-*`` variants.
+
+rfdetr's segmentation head trains sparsely: a layer's ``pred_masks`` is ``{spatial_features [B, C, h, w],
+query_features [B, Q, C], bias [1]}`` and a query's mask logits are ``query_features . spatial_features + bias``
+(h = resolution / 4). Upstream builds the matched queries' masks image by image and point-samples them
+(PointRend: 3x oversampled random points, the 75 % most uncertain kept, the rest fresh random points); the matcher
+compares every query with every target at one shared random draw of points. Here the same arithmetic runs on whole
+padded batches:
+
+- every image has ``M = group_detr * max_targets`` matches (match ``m`` is target slot ``m % T``); padding matches are
+  computed like real ones and weighted 0 by ``valid`` (upstream's ``loss_masks`` refuses padded targets for that
+  reason: here the weight is explicit), normalised by the same device tensor ``num_boxes`` as the box losses;
+- target masks travel bit-packed (:func:`pack_masks`: ``[T, R, ceil(R/8)]`` uint8 per image at the input resolution,
+  8x fewer bytes than bool) and are read at the sampled points by row lookups (:func:`sample_targets`): rfdetr's
+  nearest-pixel rule, no unpacked mask on the device;
+- the uncertain-point selection is rfdetr's, with its flat-index gather over all matches replaced by a per-match
+  row lookup (:func:`uncertain_points`): the flat index crosses images, which a batch split over chips cannot keep.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+import torch
+import torch.nn.functional as F  # noqa: N812
+from rfdetr.models.heads.segmentation import calculate_uncertainty, point_sample
+from torch import Tensor
+
+from spmd_rfdetr.xla.mesh import take_rows
+
+#: rfdetr's PointRend sampling in ``loss_masks`` (its ``get_uncertain_point_coords_with_randomness`` arguments).
+OVERSAMPLE_RATIO = 3
+IMPORTANCE_SAMPLE_RATIO = 0.75
+
+
+def pack_masks(masks: Tensor, slots: int) -> Tensor:
+    """Host side: bool ``[N, R, R]`` instance masks -> uint8 ``[slots, R, ceil(R/8)]``, bit ``x % 8`` of byte ``x // 8``
+    of row ``y`` is pixel ``(y, x)`` (NumPy's little-endian ``packbits``); rows past ``N`` are zero."""
+    n, height, width = masks.shape
+    packed = np.zeros((slots, height, (width + 7) // 8), dtype=np.uint8)
+    if n:
+        packed[:n] = np.packbits(masks[:slots].numpy().astype(bool), axis=-1, bitorder="little")
+    return torch.from_numpy(packed)
+
+
+def unpack_masks(packed: Tensor, width: int) -> Tensor:
+    """Host side: :func:`pack_masks`'s ``[..., R, ceil(R/8)]`` uint8 -> bool ``[..., R, width]``."""
+    bits = np.unpackbits(packed.cpu().numpy(), axis=-1, count=width, bitorder="little")
+    return torch.from_numpy(bits.astype(bool))
+
+
+def sample_targets(packed: Tensor, coords: Tensor) -> Tensor:
+    """Target masks at points, rfdetr's nearest-pixel rule (``point_sample(..., mode="nearest")``, border padding).
+
+    ``packed [B, T, R, Rb]`` (:func:`pack_masks` of square ``R x R`` masks), ``coords [B, T, K, 2]`` (x, y) in [0, 1]
+    -> float ``[B, T, K]``: 1 where target ``t``'s mask covers the point. Each point reads one packed row (a row
+    lookup on each device's own images) and picks its byte and bit there.
+    """
+    batch, slots, height, row_bytes = packed.shape
+    width, points = height, coords.shape[2]
+    grid = 2.0 * coords - 1.0  # rfdetr's normalisation order, so the rounding ties fall where its do
+    x = torch.round(((grid[..., 0] + 1.0) * width - 1.0) / 2.0).long().clamp(0, width - 1)
+    y = torch.round(((grid[..., 1] + 1.0) * height - 1.0) / 2.0).long().clamp(0, height - 1)
+    slot = torch.arange(slots, device=packed.device)[None, :, None]
+    rows = take_rows(packed.reshape(batch, slots * height, row_bytes), (slot * height + y).reshape(batch, -1))
+    column = (x // 8).reshape(batch, -1, 1)
+    byte = torch.where(torch.arange(row_bytes, device=packed.device) == column, rows, 0).sum(-1, dtype=torch.int32)
+    bit = torch.bitwise_and(torch.bitwise_right_shift(byte, (x % 8).reshape(batch, -1).to(torch.int32)), 1)
+    return bit.view(batch, slots, points).to(coords.dtype)
+
+
+def query_masks(pred_masks: dict[str, Tensor], query: Tensor) -> Tensor:
+    """Mask logits ``[B, M, h, w]`` of the queries ``query [B, M]`` (rfdetr's sparse head: features . spatial + bias;
+    upstream's ``loss_masks`` builds the same image by image)."""
+    features = take_rows(pred_masks["query_features"], query)  # [B, M, C]
+    return torch.einsum("bchw,bmc->bmhw", pred_masks["spatial_features"], features) + pred_masks["bias"]
+
+
+def mask_cost(pred_masks: dict[str, Tensor], packed: Tensor, point_ratio: int) -> tuple[Tensor, Tensor]:
+    """rfdetr's pairwise mask costs ``[B, Q, T]`` (sigmoid CE, dice) of one layer at one shared uniform draw of
+    ``h * w // point_ratio`` points (``HungarianMatcher._compute_mask_costs``, sparse head, per image)."""
+    spatial, features, bias = pred_masks["spatial_features"], pred_masks["query_features"], pred_masks["bias"]
+    batch, slots = packed.shape[:2]
+    points = spatial.shape[-2] * spatial.shape[-1] // point_ratio
+    coords = torch.rand(1, points, 2, device=spatial.device)
+    logits = point_sample(spatial, coords.repeat(batch, 1, 1), align_corners=False)  # [B, C, P]
+    logits = torch.einsum("bcp,bqc->bqp", logits, features) + bias
+    target = sample_targets(packed, coords[:, None].expand(batch, slots, points, 2)).to(logits.dtype)
+    pos = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits), reduction="none")
+    neg = F.binary_cross_entropy_with_logits(logits, torch.zeros_like(logits), reduction="none")
+    ce = (torch.einsum("bqp,btp->bqt", pos, target) + torch.einsum("bqp,btp->bqt", neg, 1 - target)) / points
+    prob = logits.sigmoid()
+    numerator = 2 * torch.einsum("bqp,btp->bqt", prob, target)
+    denominator = prob.sum(-1)[:, :, None] + target.sum(-1)[:, None, :]
+    return ce, 1 - (numerator + 1) / (denominator + 1)
+
+
+def uncertain_points(logits: Tensor, points: int) -> Tensor:
+    """rfdetr's ``get_uncertain_point_coords_with_randomness(logits, calculate_uncertainty, points, 3, 0.75)`` for
+    ``logits [N, 1, h, w]`` -> ``[N, points, 2]``, the same draws in the same order; the uncertain points are taken
+    per mask by a row lookup (upstream indexes all masks' points as one flat array)."""
+    count = logits.shape[0]
+    coords = torch.rand(count, points * OVERSAMPLE_RATIO, 2, device=logits.device)
+    uncertainty = calculate_uncertainty(point_sample(logits, coords, align_corners=False))
+    uncertain = int(IMPORTANCE_SAMPLE_RATIO * points)
+    index = torch.topk(uncertainty[:, 0, :], k=uncertain, dim=1)[1]
+    chosen = take_rows(coords, index)
+    if points == uncertain:
+        return chosen
+    return torch.cat([chosen, torch.rand(count, points - uncertain, 2, device=logits.device)], dim=1)
+
+
+def mask_losses(pred_masks: dict[str, Tensor], query: Tensor, batch: dict[str, Tensor], num_boxes: Tensor,
+                point_ratio: int) -> dict[str, Tensor]:
+    """rfdetr's ``loss_mask_ce`` and ``loss_mask_dice`` of one layer: ``query [B, M]`` the matched query of each of
+    the ``M = G*T`` matches (match ``m`` is target slot ``m % T``), padding matches weighted 0."""
+    masks = query_masks(pred_masks, query)  # [B, M, h, w]
+    batch_size, matches, height, mask_width = masks.shape
+    slots = batch["valid"].shape[1]
+    groups = matches // slots
+    flat = masks.reshape(batch_size * matches, 1, height, mask_width)
+    points = max(height, height * mask_width // point_ratio)
+    with torch.no_grad():
+        coords = uncertain_points(flat, points)  # [B*M, P, 2]
+        by_target = coords.view(batch_size, groups, slots, points, 2).transpose(1, 2)  # [B, T, G, P, 2]
+        labels = sample_targets(batch["masks"], by_target.reshape(batch_size, slots, groups * points, 2))
+        labels = labels.view(batch_size, slots, groups, points).transpose(1, 2).reshape(-1, points)
+    logits = point_sample(flat, coords, align_corners=False).squeeze(1)  # [B*M, P]
+    valid = batch["valid"].repeat(1, groups).reshape(-1).to(logits.dtype)
+    ce = F.binary_cross_entropy_with_logits(logits, labels, reduction="none").mean(1)
+    prob = logits.sigmoid()
+    dice = 1 - (2 * (prob * labels).sum(-1) + 1) / (prob.sum(-1) + labels.sum(-1) + 1)
+    return {"loss_mask_ce": (ce * valid).sum() / num_boxes, "loss_mask_dice": (dice * valid).sum() / num_boxes}

@@ -1,0 +1,1 @@
+"""``fit``: the one build path, the compiled step, EMA, checkpoints, metrics and evaluation inside the run."""

@@ -1,0 +1,80 @@
+"""One training run after the runtime started: start-up, then the loop, which asks small owners "is it time?" and
+tells them "do it" (:class:`~spmd_rfdetr.training.saver.Saver` the checkpoints, :class:`~spmd_rfdetr.training.steplog.
+StepLog` the records and the non-finite stop, :class:`~spmd_rfdetr.training.evaluation.FitEvaluation` evaluation and
+early stopping, :class:`~spmd_rfdetr.training.stops.Preemption` SIGTERM)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from spmd_rfdetr.training import setup
+from spmd_rfdetr.training.build import build_trainer
+from spmd_rfdetr.training.evaluation import FitEvaluation
+from spmd_rfdetr.training.saver import Saver
+from spmd_rfdetr.training.steplog import StepLog
+from spmd_rfdetr.training.stops import Preemption
+from spmd_rfdetr.xla import hosts
+
+log = logging.getLogger(__name__)
+
+
+def train(cfg: Any, preemption: Preemption, started: float) -> Path:
+    """Train ``cfg`` to ``trainer.max_steps``; returns ``last.pth``, or the checkpoint SIGTERM saved."""
+    run = setup.prepare(cfg)
+    t = cfg.trainer
+    trainer = build_trainer(run.fabric, run.build_cfgs, cfg.optim, t, ema=cfg.model, mesh=cfg.mesh)
+    saver = Saver(run, trainer)
+    start, meta = saver.resume()
+    data = setup.train_data(run, trainer.step, start)
+    steplog = StepLog(run, trainer.step, data, preemption, start, started)
+    evaluation = setup.evaluation(run, trainer, meta)  # None when off
+    if meta.get("early_stopped"):  # a relaunch (--trainer.resume auto) of a run that stopped early trains no more
+        log.info("%s: this run stopped early at step %d (early stopping); nothing left to train", run.resume_from,
+                 start)
+        steplog.close()
+        return saver.weights("last.pth", start)
+
+    setup.precompile(data, trainer.step, cfg)
+    data.start()
+    steplog.open()
+    last_step = t.max_steps
+    for step in range(start + 1, t.max_steps + 1):
+        steplog.begin()
+        stats = trainer.step(next(data))
+        preemption.inject(step)
+        stop = hosts.any_host(preemption.requested)  # a SIGTERM on one host stops them all at this step
+        # a pending stop saves at once: the notice (~30 s on a spot VM) is shorter than an evaluation
+        eval_now = not stop and evaluation is not None and evaluation.due(step, t.max_steps)
+        if eval_now and trainer.step.check_pending and step < t.max_steps:  # e.g. a resumed run's first step
+            data.check_ahead(trainer.step)
+        save_now = stop or saver.due(step)
+        if not steplog.due(step, evaluates=eval_now, saves=save_now):
+            continue
+        record = steplog.record(step, stats)
+        if eval_now and _evaluate(step, record, evaluation, saver):
+            steplog.write(record)  # early stopping: the state above is the run's last checkpoint
+            last_step = step
+            break
+        saved = saver.save(step, evaluation) if save_now else None
+        steplog.write(record, wait=eval_now or save_now)
+        if stop:
+            steplog.close()
+            return preemption.stopped(step, saved)
+    steplog.close()
+    return saver.last(last_step)
+
+
+def _evaluate(step: int, record: dict[str, Any], evaluation: FitEvaluation, saver: Saver) -> bool:
+    """Evaluate into ``record``; ``best.pth`` if the mAP improved. True: early stopping ends the run here (saved)."""
+    record.update(evaluation(step), evaluated_weights=saver.weights_kind)
+    if evaluation.improved:
+        saver.best(step, evaluation)
+    if not evaluation.should_stop:
+        return False
+    log.info("early stopping at step %d: %s has not improved by %g for %d evaluations (best %.4f)", step,
+             evaluation.watched, evaluation.min_delta, evaluation.stale, evaluation.stopping_best)
+    record["early_stopped"] = True
+    saver.save(step, evaluation, early_stopped=True)  # a relaunch with --trainer.resume auto ends here too
+    return True

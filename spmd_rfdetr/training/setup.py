@@ -1,0 +1,190 @@
+"""``fit``'s start-up: everything that runs once before step 1, in this order.
+
+:func:`prepare`: the config checked against the devices, the resume point, the starting weights, the data check
+(every data problem at once, before anything is built or compiled), Fabric on the mesh, rfdetr's configs, the train
+split and the run's length in steps, ``config.yaml``. Then, once the trainer is built and resumed:
+:func:`train_data` (the loader from the resumed step, multi-scale buckets), :func:`evaluation` (``None`` when off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch_xla.runtime as xr
+import yaml
+
+from spmd_rfdetr.config.options import RunConfig, is_segmentation
+from spmd_rfdetr.config.resolve import (eval_every_steps, fetch_pretrain_weights, multi_scale_buckets,
+                                        resolve_and_check, steps_per_epoch, upstream_scales)
+from spmd_rfdetr.data.batches import blank_batch, first_uses, make_train_loader
+from spmd_rfdetr.data.check import check_data
+from spmd_rfdetr.data.splits import build_split, check_overflow, class_names, num_classes_in
+from spmd_rfdetr.model.upstream import UpstreamConfigs, upstream_configs
+from spmd_rfdetr.training import checkpoint
+from spmd_rfdetr.training.build import Trainer, unwrap
+from spmd_rfdetr.training.evaluation import FitEvaluation, fit_evaluation
+from spmd_rfdetr.training.step import TrainStep
+from spmd_rfdetr.xla import hosts
+from spmd_rfdetr.xla.fabric import spmd_fabric
+from spmd_rfdetr.xla.mesh import build_mesh
+from spmd_rfdetr.xla.runtime import PRECISIONS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """What start-up resolved for one ``fit``."""
+
+    cfg: RunConfig
+    out: Path
+    resume_from: str | Path | None
+    check_s: float  # the data check's seconds
+    fabric: Any
+    cfgs: UpstreamConfigs
+    train_set: Any
+    resolved: dict[str, Any]  # the config as run (``config.yaml``, every checkpoint's ``config``)
+    names: list[str]  # class names by training label
+
+    @property
+    def coordinator(self) -> bool:
+        """Several hosts: host 0 writes the shared files."""
+        return hosts.is_coordinator()
+
+    @property
+    def build_cfgs(self) -> UpstreamConfigs:
+        """What the model is built from: a resumed run's checkpoint holds every weight, so none are loaded."""
+        return self.cfgs.without_weights() if self.resume_from else self.cfgs
+
+
+def prepare(cfg: RunConfig) -> Run:
+    """Check, size and lay out the run before anything is built (``setup_runtime`` has run)."""
+    resolve_and_check(cfg, xr.global_runtime_device_count())
+    t, d = cfg.trainer, cfg.data
+    out = Path(t.output_dir)
+    resume_from = checkpoint.latest(out) if t.resume == "auto" else t.resume
+    if resume_from:  # the checkpoint holds every weight: the starting weights are neither fetched nor loaded
+        log.info("resuming from %s: model.pretrain_weights is not read", resume_from)
+    else:
+        fetch_pretrain_weights(cfg.model)  # on disk (downloaded now if published) or a ConfigError, before compiles
+    check_start = time.perf_counter()
+    data_report = check_data(cfg)  # every data problem at once, before anything is built or compiled (DataError)
+    check_s = time.perf_counter() - check_start
+
+    out.mkdir(parents=True, exist_ok=True)
+    fabric = spmd_fabric(build_mesh(cfg.mesh.data, cfg.mesh.fsdp), precision=PRECISIONS[t.precision])
+    fabric.seed_everything(t.seed)
+    num_classes = cfg.model.num_classes or num_classes_in(d.dataset_dir)
+    cfgs = upstream_configs(cfg.model, d, cfg.optim, num_classes, cfg.eval.num_select)
+    train_set = data_report.usable(build_split(cfgs, "train"), "train")  # less the images data.on_bad=skip leaves out
+    check_overflow(train_set, d, "train")
+    hosts.check_same_on_all_hosts(f"{d.dataset_dir}: the number of usable train images", len(train_set))
+    _size_in_steps(cfg, len(train_set))
+    resolved = dataclasses.asdict(cfg)
+    resolved["model"]["num_classes"] = num_classes
+    if hosts.is_coordinator():
+        (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    return Run(cfg, out, resume_from, check_s, fabric, cfgs, train_set, resolved, class_names(train_set, num_classes))
+
+
+def _size_in_steps(cfg: RunConfig, train_images: int) -> None:
+    """rfdetr's units, epochs (whole passes over the train split, the last partial batch dropped), as steps."""
+    t = cfg.trainer
+    if t.epochs is not None:
+        t.max_steps = max(1, round(t.epochs * steps_per_epoch(cfg, train_images)))
+        log.info("trainer.epochs=%g: %d steps of %d images over %d train images", t.epochs, t.max_steps,
+                 cfg.data.global_batch_size, train_images)
+    if cfg.optim.warmup_epochs is not None:  # rfdetr's warmup unit
+        cfg.optim.warmup_steps = round(cfg.optim.warmup_epochs * steps_per_epoch(cfg, train_images))
+        log.info("optim.warmup_epochs=%g: %d warmup steps", cfg.optim.warmup_epochs, cfg.optim.warmup_steps)
+
+
+@dataclass
+class TrainData:
+    """The train loader from the resumed step, and its multi-scale buckets."""
+
+    loader: Any  # Fabric's wrapper
+    spmd_loader: Any  # the SPMD loader under it: its counters (``wait_s``) and ``place`` live here
+    buckets: list[int]
+    warmup: int  # the steps that may compile (replay checks at step 2; a trace mode's buckets at their first step)
+    read_at: int  # the train split's image size
+    batches: Iterator[dict[str, Any]] = iter(())  # :meth:`start` starts them
+
+    def __next__(self) -> dict[str, Any]:
+        return next(self.batches)
+
+    def start(self) -> None:
+        """Start the loader's workers (after the bucket compiles)."""
+        self.batches = iter(self.loader)
+
+    def check_ahead(self, step_fn: TrainStep) -> None:
+        """Replay's pending check traces the next step now, before an evaluation can change what it traces."""
+        upcoming = next(self)
+        step_fn.check_ahead(upcoming)
+        self.batches = itertools.chain([upcoming], self.batches)
+
+
+def train_data(run: Run, step_fn: TrainStep, start: int) -> TrainData:
+    """The loader of the steps after ``start``; in replay mode every multi-scale bucket compiles before step 1."""
+    cfg, d = run.cfg, run.cfg.data
+    buckets, warmup = multi_scale_buckets(cfg), 2
+    if buckets and step_fn.mode != "replay":
+        first = first_uses(buckets, start, cfg.trainer.max_steps)
+        warmup = max(2, max(first.values()) - start + 1)
+        log.info("multi-scale: buckets %s; each compiles its training graph at its first step: %s", buckets,
+                 ", ".join(f"{size} at step {step}" for size, step in sorted(first.items(), key=lambda kv: kv[1])))
+    read_at = max(upstream_scales(cfg.model)) if buckets else run.cfgs.model.resolution
+    fabric = run.fabric
+    fabric.strategy.prefetch = d.prefetch
+    fabric.strategy.sync_each_batch = False  # every step mode runs its own programs
+    loader = fabric.setup_dataloaders(make_train_loader(run.train_set, d, read_at, seed=cfg.trainer.seed,
+                                                        start_step=start, host=hosts.batch_share(), scales=buckets))
+    # Fabric's wrapper copied the loader's attributes once; its counters live in the loader under it
+    return TrainData(loader, loader._dataloader, buckets, warmup, read_at)
+
+
+def precompile(data: TrainData, step_fn: TrainStep, cfg: RunConfig) -> None:
+    """Replay mode: compile the step of every multi-scale bucket from a blank batch of its shape, before step 1."""
+    if not data.buckets or step_fn.mode != "replay":
+        return
+    d = cfg.data
+    precompile_buckets(step_fn, data.buckets, lambda size: data.spmd_loader.place(
+        blank_batch(d.global_batch_size // hosts.batch_share()[1], size, d.max_targets, data.read_at,
+                    masks=is_segmentation(cfg.model.variant))))
+
+
+def precompile_buckets(step_fn: TrainStep, buckets: list[int], batch_of: Callable[[int], dict[str, Any]]) -> None:
+    """Compile the training step for every multi-scale bucket before step 1 (one line each), so no step compiles."""
+    log.info("multi-scale: compiling the training step for %d buckets before step 1: %s", len(buckets), buckets)
+    for i, size in enumerate(buckets, 1):
+        started = time.perf_counter()
+        if not step_fn.precompile(batch_of(size)) and step_fn.mode != "replay":
+            log.info("multi-scale: the other buckets compile at their first step (%s)", step_fn.fallback_reason)
+            return
+        log.info("multi-scale: compiled %d px (%d/%d) in %.0f s", size, i, len(buckets), time.perf_counter() - started)
+
+
+def evaluation(run: Run, trainer: Trainer, meta: dict[str, Any]) -> FitEvaluation | None:
+    """The evaluation inside ``fit`` (``None`` when off), its best mAP and early stopping's counts as ``meta`` left
+    them."""
+    cfg = run.cfg
+    eval_every = eval_every_steps(cfg, len(run.train_set))
+    if cfg.eval.every_epochs is not None:
+        log.info("eval.every_epochs=%g: an evaluation every %d steps (%d steps per epoch)", cfg.eval.every_epochs,
+                 eval_every, steps_per_epoch(cfg, len(run.train_set)))
+    raw = unwrap(trainer.model) if trainer.ema is not None and cfg.eval.base_model else None  # rfdetr's eval_base_model
+    evaluation = fit_evaluation(cfg, run.cfgs, trainer.inference_model, run.fabric, eval_every, raw)
+    if evaluation is not None:
+        evaluation.restore(meta)
+        if run.resume_from:
+            log.info("resumed the evaluation state: best eval/mAP %g; early stopping watches %s: best %g, %d "
+                     "evaluation(s) without improvement", evaluation.best_map, evaluation.watched,
+                     evaluation.stopping_best, evaluation.stale)
+    return evaluation

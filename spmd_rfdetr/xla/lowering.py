@@ -1,0 +1,42 @@
+"""A traced program as HLO for an ahead-of-time compiler (the ``aot`` verb): lowered, never compiled or run here."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch_xla
+
+_X = torch_xla._XLAC
+
+
+@dataclass
+class Lowered:
+    """A traced program as HLO: a serialized ``HloModuleProto`` (GSPMD shardings annotated as torch_xla's own compile
+    does), the parameter numbers of its donated inputs, its instruction count and its inputs' element types."""
+
+    hlo: bytes
+    donors: list[int]
+    instructions: int
+    input_types: dict[str, int]
+    """How many inputs of each element type (``{"F32": 703, "S64": 6, "PRED": 2}``; TPUs have no ``F64``)."""
+
+
+def lower(outputs: list[torch.Tensor], donated: list[torch.Tensor] = (), name: str = "program") -> Lowered:
+    """The HLO module torch_xla would compile for the pending ``outputs``, with the ``donated`` graph inputs marked,
+    for an ahead-of-time compiler; nothing compiles or runs here."""
+    ctx = _X.lowering.LoweringContext(name)
+    ctx.build(list(outputs))
+    donors = {ctx.tensor_parameter_id(value) for value in donated}
+    text = ctx.hlo_text()
+    instructions = sum(1 for line in text.splitlines() if line.strip() == "instructions {")
+    return Lowered(ctx.hlo(), sorted(i for i in donors if i >= 0), instructions, _input_types(text))
+
+
+def _input_types(proto_text: str) -> dict[str, int]:
+    """Element types of the entry's parameters, counted, from the module proto's text (its ``host_program_shape``)."""
+    start = proto_text.index("\nhost_program_shape {\n")
+    block = proto_text[start:proto_text.index("\n}\n", start)]
+    return dict(Counter(re.findall(r"^  parameters \{\n    element_type: (\w+)$", block, flags=re.M)))

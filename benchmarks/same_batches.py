@@ -69,8 +69,8 @@ def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_k
                 p.mul_(1 + perturb * torch.randn(p.shape, generator=noise))
     criterion = build_upstream_criterion(cfgs)[0].train()
     if criterion_kind == "ours":
-        from spmd_rfdetr.loss import build_criterion
-        from spmd_rfdetr.step import forward_loss
+        from spmd_rfdetr.model.loss import build_criterion
+        from spmd_rfdetr.training.step import forward_loss
 
         criterion = build_criterion(criterion, solver="device").train()
     optimizer = build_optimizer(net, cfgs)

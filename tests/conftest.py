@@ -6,8 +6,8 @@ different device count or no SPMD run a subprocess.
 What the suite checks: sharding specs; parity of our step with upstream rfdetr's own step (eager CPU: loss and gradients
 at step 1, then 4 more steps within :func:`support.models.parity_tolerance`; on the same XLA device with the same
 capturable AdamW: 1e-5 at steps 1-2); EMA against upstream's ``AveragedModel``; the TPU compiler's verdict on the tiny
-step for v5e:2x2 (``test_aot.py``: it compiles, donates the training state, runs no collective inside a loop, divides
-its FLOPs over the chips, does not grow with the batch, has no float64 input; an over-large program exits 2); torch_xla
+step for v5e:2x2 (``test_aot.py``: it compiles, donates the training state, runs no collective inside a loop, holds
+a quarter of the batch per chip, does not grow with the batch, has no float64 input; an over-large program exits 2); torch_xla
 counters; the solver against SciPy; the CLI in subprocesses (a fit preempted by a real SIGTERM and a SIGKILL inside a
 save, resumed twice; 8 devices with FSDP: the same losses; two processes of one gloo group each replaying the step as
 alone); the LR schedule against rfdetr's own; every config error; the data formats and overflow policies; replay against

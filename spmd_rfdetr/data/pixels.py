@@ -73,3 +73,12 @@ def upstream_float(images: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"upstream's ToDtype(float32, scale=True) scales uint8 pixels only, got {images.dtype}")
     to_float, normalize = ToDtype(torch.float32, scale=True), Normalize()
     return torch.stack([normalize(to_float(image), None)[0] for image in images])
+
+
+def require_uint8(image: torch.Tensor, target: dict[str, torch.Tensor]) -> None:
+    """A collate's guard on one sample: uint8 pixels only. Every program normalises pixels itself
+    (:func:`normalize_images`): rfdetr's own float sample is normalised already and would be normalised twice."""
+    if image.dtype != torch.uint8:
+        raise TypeError(f"image_id {int(target['image_id'])}: {image.dtype} pixels, expected uint8: every program "
+                        "normalises pixels itself, so read splits with spmd_rfdetr.data.splits.build_split (rfdetr's "
+                        "transforms, pixels left uint8), not rfdetr's build_dataset")

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from spmd_rfdetr.data.pixels import require_uint8
 from spmd_rfdetr.xla import hosts
 
 
@@ -28,10 +29,7 @@ class EvalCollate:
     def __call__(self, samples: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
         r, b = self.resolution, self.rows
         for image, target in samples:
-            if image.dtype != torch.uint8:
-                raise TypeError(f"image_id {int(target['image_id'])}: {image.dtype} pixels, expected uint8: the eval "
-                                "program normalises pixels itself, so read the split with spmd_rfdetr.data.splits.build_split "
-                                "(rfdetr's transforms, pixels left uint8), not rfdetr's build_dataset")
+            require_uint8(image, target)
             if tuple(image.shape) != (3, r, r):
                 raise ValueError(
                     f"image_id {int(target['image_id'])}: transformed to {tuple(image.shape)}, expected {(3, r, r)}; "

@@ -82,12 +82,12 @@ def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_k
     losses, started = [], time.perf_counter()
     for step in range(1, t.max_steps + 1):
         batch = next(batches)
-        targets = [{"labels": labels[keep], "boxes": boxes[keep]}
-                   for labels, boxes, keep in zip(batch["labels"], batch["boxes"], batch["valid"])]
         optimizer.zero_grad(set_to_none=True)
         if criterion_kind == "ours":
             loss, _ = forward_loss(net, criterion, batch)
         else:
+            targets = [{"labels": labels[keep], "boxes": boxes[keep]}
+                       for labels, boxes, keep in zip(batch["labels"], batch["boxes"], batch["valid"])]
             samples = nested_tensor_from_tensor_list(list(upstream_float(batch["images"])))
             loss_dict = criterion(net(samples, targets), targets)
             loss = torch.stack([loss_dict[k] * w for k, w in criterion.weight_dict.items() if k in loss_dict]).sum()
@@ -108,13 +108,12 @@ def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_k
 
 def collect(arms: Path, into: Path) -> None:
     """Every finished arm under ``arms`` into the comparison JSON ``into`` (matched to ours by seed)."""
+    import yaml
     from convergence import _mean_spread
 
     payload = json.loads(into.read_text())
     ours = {r["seed"]: r["final"]["mAP"] for r in payload["runs"]["ours"]}
     found = [json.loads(f.read_text()) for f in sorted(arms.glob("*/result.json"))]
-    import yaml
-
     runs = [{"seed": yaml.safe_load((Path(r["run"]) / "config.yaml").read_text())["trainer"]["seed"],
              "final": r["final"], "step1_loss": r["losses"][0], "run_step1_loss": r["run_losses"].get("1")}
             for r in found]

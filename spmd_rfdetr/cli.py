@@ -26,6 +26,7 @@ from spmd_rfdetr.data import check as checks
 from spmd_rfdetr.training import loop
 from spmd_rfdetr.training.loop import NonFiniteLoss
 from spmd_rfdetr.xla import hosts
+from spmd_rfdetr.xla.runtime import choose_device
 from spmd_rfdetr.config.options import (
     ConfigError,
     DataOptions,
@@ -209,8 +210,8 @@ def validate(
         eval: Split, eval batch size and detections per image.
         checkpointing: Unused (accepted so a training config can be passed as is).
     """
-    # lazy: a verb imports what it runs, after quiet.configure and the device choice
-    from spmd_rfdetr.eval import inference
+    choose_device(mesh)  # before eval.inference: its modules import rfdetr, which starts torch_xla
+    from spmd_rfdetr.eval import inference  # lazy: a verb imports what it runs, after the device choice
 
     cfg = RunConfig(
         model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing
@@ -247,8 +248,8 @@ def predict(
         eval: Eval batch size and detections per image.
         checkpointing: Unused (accepted so a training config can be passed as is).
     """
-    # lazy: a verb imports what it runs, after quiet.configure and the device choice
-    from spmd_rfdetr.eval import inference
+    choose_device(mesh)  # before eval.inference: its modules import rfdetr, which starts torch_xla
+    from spmd_rfdetr.eval import inference  # lazy: a verb imports what it runs, after the device choice
 
     cfg = RunConfig(
         model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing

@@ -41,7 +41,7 @@ def load_for_inference(cfg: RunConfig, checkpoint: str) -> tuple[RunConfig, Any,
     from spmd_rfdetr.config.resolve import resolve_and_check
     from spmd_rfdetr.xla.runtime import PRECISIONS, choose_device, setup_runtime
 
-    choose_device(cfg.mesh)  # reading the weights imports rfdetr, which starts torch_xla
+    choose_device(cfg.mesh)  # for callers other than the CLI (which chose before importing this module)
     saved = read_weights(checkpoint)
     cfg = inference_config(cfg, saved)
     if cfg.model.num_queries is not None:  # max_targets only shapes training batches: its query-count check is moot

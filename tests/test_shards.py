@@ -41,6 +41,29 @@ def test_each_device_solves_its_own_problems_in_a_manual_region() -> None:
     assert bool(converged.cpu().all())
 
 
+def test_the_matchers_recorded_rounds_are_the_solvers_on_the_hardest_problem() -> None:
+    """``matcher_rounds`` in the step's stats: the search loop's rounds of each solve (its hardest problem's, on any
+    device), summed over solves; the eager solver's own count is the reference."""
+    from spmd_rfdetr.model.loss import StaticShapeMatcher
+    from spmd_rfdetr.model.matching import solve_assignment_with_stats
+
+    mesh = build_mesh()
+    xs.set_global_mesh(mesh)
+    g = torch.Generator().manual_seed(3)
+    matcher = StaticShapeMatcher(cost_class=2, cost_bbox=5, cost_giou=2)
+    expected = 0
+    for queries in (12, 9):  # two solves of a step (e.g. the decoder's layers and the encoder's proposals)
+        cost = torch.rand(16, queries, 6, generator=g).round(decimals=1)  # ties: rounds differ between problems
+        valid = torch.rand(16, 6, generator=g) > 0.2
+        rounds = solve_assignment_with_stats(cost, valid).rounds
+        assert rounds.max() > rounds.min()
+        expected += int(rounds.max())
+        matcher._solve(sharded(cost, mesh), sharded(valid, mesh))
+    stats = {name: int(value.cpu()) for name, value in matcher.pop_stats().items()}
+    assert stats == {"matcher_unconverged": 0, "matcher_rounds": expected}
+    assert matcher.pop_stats() == {}
+
+
 def test_take_rows_and_its_gradient_equal_torch_gather() -> None:
     mesh = build_mesh()
     g = torch.Generator().manual_seed(1)

@@ -76,11 +76,11 @@ def _scipy_solve(cost: Tensor) -> Tensor:
     return result.to(cost.device)
 
 
-def _solve_and_park(cost: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-    from spmd_rfdetr.model.matching import solve_assignment
+def _solve_and_park(cost: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    from spmd_rfdetr.model.matching import solve_assignment_with_stats
 
-    query_of_target, converged = solve_assignment(cost, valid)
-    return park_padding(query_of_target, valid, cost.shape[1]), converged
+    result = solve_assignment_with_stats(cost, valid)
+    return park_padding(result.query_of_target, valid, cost.shape[1]), result.converged, result.rounds
 
 
 def stack_targets(targets: list[dict[str, Tensor]]) -> dict[str, Tensor]:
@@ -100,7 +100,7 @@ class StaticShapeMatcher(HungarianMatcher):
     def __init__(self, *args: Any, solver: Solver = "device", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.solver = solver
-        self.unconverged: Tensor | None = None  # problems finished greedily since the last reset (device)
+        self.solver_stats: dict[str, Tensor] = {}  # device counters of the solves since the last pop_stats()
         self._solved: dict[int, list[tuple[Tensor, Tensor]]] = {}  # id(pred_logits) -> pairs (upstream's path)
 
     def cost(self, logits: Tensor, boxes: Tensor, targets: dict[str, Tensor], extra: Tensor | None = None) -> Tensor:
@@ -152,10 +152,17 @@ class StaticShapeMatcher(HungarianMatcher):
         """``[P, Q, T]`` problems -> ``[P, T]`` query per target slot, injective per problem (padding parked)."""
         if self.solver == "scipy":
             return park_padding(_scipy_solve(cost), valid, cost.shape[1])
-        query_of_target, converged = on_each_shard(_solve_and_park, cost, valid)
-        missed = (~converged).sum()
-        self.unconverged = missed if self.unconverged is None else self.unconverged + missed
+        query_of_target, converged, rounds = on_each_shard(_solve_and_park, cost, valid)
+        # problems finished greedily; the search loop's rounds (its hardest problem's, which the chip waits for)
+        for name, value in (("matcher_unconverged", (~converged).sum()), ("matcher_rounds", rounds.max())):
+            self.solver_stats[name] = value + self.solver_stats[name] if name in self.solver_stats else value
         return query_of_target
+
+    def pop_stats(self) -> dict[str, Tensor]:
+        """The solves' counters since the last call (summed over solves), and a fresh start: a step reads them into
+        its stats, so that no pending tensor outlives the step (replay refuses one)."""
+        stats, self.solver_stats = self.solver_stats, {}
+        return stats
 
     @torch.no_grad()
     def match_layers(self, layers: list[dict[str, Any]], targets: list[dict[str, Tensor]], group_detr: int = 1) -> None:

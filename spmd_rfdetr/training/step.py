@@ -196,8 +196,8 @@ class TrainStep:
     def _step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
         matcher = self.criterion.matcher
-        if hasattr(matcher, "unconverged"):
-            matcher.unconverged = None
+        solver_stats = getattr(matcher, "pop_stats", dict)
+        solver_stats()  # counters a previous trace left
         loss, loss_dict = self._forward_backward(batch)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.clip_max_norm > 0:
@@ -223,10 +223,7 @@ class TrainStep:
         stats = {"loss": loss.detach(), "grad_norm": grad_norm.detach(), "lr": lr.to(loss.device),
                  "nonfinite_steps": self.nonfinite_steps.clone(), "first_nonfinite_step": self.first_nonfinite.clone()}
         stats.update({k: v.detach() for k, v in loss_dict.items() if k in LOGGED_LOSSES})
-        unconverged = getattr(matcher, "unconverged", None)
-        if unconverged is not None:
-            stats["matcher_unconverged"] = unconverged
-            matcher.unconverged = None  # a live pending tensor outside the state would make replay refuse
+        stats.update(solver_stats())  # the device matcher's unconverged problems and search rounds
         self.stat_names = list(stats)
         return torch.stack([v.float() for v in stats.values()])  # one tensor: one transfer at a log point
 

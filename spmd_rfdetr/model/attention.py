@@ -1,0 +1,53 @@
+"""Scaled dot-product attention in bf16 that keeps no score matrix for the backward.
+
+Under bf16 autocast, PyTorch's attention runs the softmax in float32 and keeps its float32 output for the gradient
+beside the bf16 copy the second matmul reads; the TPU compiler then adds transposed copies of both. For the decoder's
+self-attention (``[B * groups * heads, 300, 300]`` scores) those were 24 GB of the v5e step's HBM traffic. Here the
+forward keeps only ``q, k, v`` and the output, and the backward recomputes the probabilities (one more ``q k^T``, which
+the MXU does in a fraction of the time the copies took to move) and uses FlashAttention's identity
+``dS = P * (dP - rowsum(dO * O))``, so no ``[L, L]`` tensor outlives the pass that made it.
+
+The softmax is computed in float32 from bf16 scores and its result rounded to bf16, the precision the MXU reads it in
+anyway; float32 inputs go to ``scaled_dot_product_attention`` unchanged (the CPU parity tests compare with upstream).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(d)) v`` for ``[B, H, L, d]`` tensors; see the module docstring for bf16/f16 inputs."""
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return _LowPrecisionAttention.apply(q, k, v)
+
+
+def _probabilities(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    scores = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-2, -1))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype)
+
+
+class _LowPrecisionAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = torch.matmul(_probabilities(q, k), v)
+        ctx.save_for_backward(q, k, v, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v, out = ctx.saved_tensors
+        grad_out = grad_out.to(q.dtype)
+        probs = _probabilities(q, k)
+        grad_probs = torch.matmul(grad_out, v.transpose(-2, -1))
+        row = (grad_out.float() * out.float()).sum(dim=-1, keepdim=True)  # = rowsum(dP * P)
+        grad_scores = (probs.float() * (grad_probs.float() - row)).to(q.dtype)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        grad_q = torch.matmul(grad_scores, k) * scale
+        grad_k = torch.matmul(grad_scores.transpose(-2, -1), q) * scale
+        grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)
+        return grad_q, grad_k, grad_v

@@ -178,7 +178,23 @@ def _first_true(mask: Tensor, none: int) -> Tensor:
 
 def _take(values: Tensor, index: Tensor) -> Tensor:
     """``values[p, index[p]]`` for ``values [P, N]`` and ``index [P]``."""
-    return values.gather(1, index.long()[:, None])[:, 0]
+    return _pick(values, index[:, None])[:, 0]
+
+
+def _pick(values: Tensor, index: Tensor) -> Tensor:
+    """``values[p, index[p, t]]`` for ``values [P, N]`` and ``index [P, T]`` (0 where ``index`` is out of range), as
+    a one-hot select and sum over ``N``: exact (one term is not zero), and on a TPU one fused pass over ``values``
+    where an element-wise gather costs a memory tile per element (the loops run it every round)."""
+    hit = index[:, :, None] == torch.arange(values.shape[1], device=values.device, dtype=index.dtype)
+    return torch.where(hit, values[:, None, :], torch.zeros_like(values[:, None, :])).sum(dim=2, dtype=values.dtype)
+
+
+def _row(values: Tensor, row: Tensor) -> Tensor:
+    """``values[p, row[p], :]`` for ``values [P, T, N]`` and ``row [P]``: a row lookup (contiguous slices), not the
+    element-wise gather ``torch.gather`` is on a TPU."""
+    problems, rows = values.shape[:2]
+    flat = row.long() + torch.arange(problems, device=row.device) * rows
+    return values.flatten(0, 1).index_select(0, flat)
 
 
 def _initial_state(cost: Tensor, valid: Tensor, auction_rounds: int) -> tuple[Tensor, ...]:
@@ -266,7 +282,7 @@ def _step(*s: Tensor) -> tuple[Tensor, ...]:
 
     # Scan row i: relax the unscanned columns, then take the closest one (a free one on ties, like SciPy).
     row = i.clamp(max=num_targets - 1)
-    cost_row = cost.gather(1, row.long()[:, None, None].expand(num_problems, 1, num_queries))[:, 0]  # [P, Q]
+    cost_row = _row(cost, row)  # [P, Q]
     cand = (minval - _take(u, row))[:, None] + cost_row - v
     relax = searching[:, None] & ~sc & (cand < d)
     d = torch.where(relax, cand, d)
@@ -286,8 +302,7 @@ def _step(*s: Tensor) -> tuple[Tensor, ...]:
     # Reached a free column: dual update exactly as SciPy does (columns scanned this search, their rows, cur).
     delta = torch.where(sc & found[:, None], low[:, None] - d, torch.zeros_like(d))
     v = v - delta
-    delta_ext = torch.cat([delta, torch.zeros_like(delta[:, :1])], dim=1)
-    u = u + delta_ext.gather(1, col4row.long())
+    u = u + _pick(delta, col4row)  # free rows (col4row = Q) get 0
     u = u + torch.where(found[:, None] & (rows == cur[:, None]), low[:, None], torch.zeros_like(u))
     sink = torch.where(found, j, sink)
 

@@ -70,6 +70,8 @@ def verb(inputs: JobInputs, out: Path) -> dict:
         module = parse_module(text)
         program["entry_input_shapes"] = [i.shape for i in module.computations[module.entry].instrs
                                          if i.opcode == "parameter"]
+        program["gathers"] = re.findall(r"= (\w+\[[\d,]*\])\S* gather\(.*slice_sizes=\{([\d,]*)\}.*source_file=\"([^\"]*)\""
+                                        r" source_line=(\d+)", text)
     return programs
 
 
@@ -129,6 +131,18 @@ def test_each_chip_holds_a_quarter_of_the_batch(verb: dict) -> None:
         shapes = verb[name]["entry_input_shapes"]
         assert f"u8[{BATCH // 4},3,128,128]" in "".join(shapes), (name, shapes)
         assert not [s for s in shapes if s.startswith(f"u8[{BATCH},")], (name, shapes)
+
+
+def test_the_eval_program_gathers_rows_not_values(verb: dict) -> None:
+    """A TPU charges an element-wise gather a memory tile per value. The eval program's gathers of 3-d tensors
+    (rfdetr's proposal selection, deformable sampling, PostProcess's boxes) all take whole rows (``slice_sizes``
+    ``{1, C}``; ``spmd_rfdetr.model.row_lookups``); what stays element-wise is PostProcess's score pick, one value
+    per detection."""
+    gathers = verb["eval 128px"]["gathers"]
+    assert len(gathers) >= 4, gathers
+    by_value = [g for g in gathers if set(g[1].split(",")) == {"1"}]
+    assert [(shape.count(",") + 1, f"{Path(source).name}:{line}") for shape, _, source, line in by_value] == [
+        (2, "postprocess.py:140")], by_value
 
 
 def test_the_program_does_not_grow_with_the_batch(verb: dict, large_batch_trace: dict) -> None:

@@ -14,7 +14,7 @@ import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
 
-from spmd_rfdetr.model import xla_safe
+from spmd_rfdetr.model import row_lookups, xla_safe
 from spmd_rfdetr.model.matching import solve_assignment
 from spmd_rfdetr.xla.mesh import build_mesh, on_each_shard, take_rows
 
@@ -81,6 +81,31 @@ def test_take_rows_and_its_gradient_equal_torch_gather() -> None:
     assert torch.allclose(x.grad.cpu(), cpu.grad, atol=1e-6)
 
 
+def test_a_gather_of_whole_rows_is_a_row_lookup_lazily_and_under_dynamo() -> None:
+    """``row_gather`` (``torch.gather`` while ``row_gathers()`` is on: the eval program is traced inside it): a gather
+    of rows by an index expanded along the last axis (rfdetr's ``idx.unsqueeze(-1).expand(..., C)``) is a row lookup
+    on each device, traced lazily (``aot``) or by dynamo (``fit``), equal to ``torch.gather`` on the CPU; a gather
+    along another axis stays ``torch.gather``."""
+    mesh = build_mesh()
+    xs.set_global_mesh(mesh)
+    g = torch.Generator().manual_seed(4)
+    source, rows = torch.randn(8, 10, 5, generator=g), torch.randint(0, 10, (8, 6), generator=g)
+    columns = torch.randint(0, 5, (8, 10, 2), generator=g)
+
+    def gathers(source: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (row_lookups.row_gather(source, 1, rows[..., None].expand(8, 6, 5)),
+                row_lookups.row_gather(source, 2, columns))
+
+    expected = (torch.gather(source, 1, rows[..., None].expand(8, 6, 5)), torch.gather(source, 2, columns))
+    lazy = gathers(sharded(source, mesh), sharded(rows, mesh), sharded(columns, mesh))
+    assert "SPMDFullToShardShape" in torch_xla._XLAC._get_xla_tensors_hlo([lazy[0]])
+    assert "SPMDFullToShardShape" not in torch_xla._XLAC._get_xla_tensors_hlo([lazy[1]])
+    compiled = torch.compile(gathers, backend="openxla", fullgraph=True)
+    traced = compiled(sharded(source, mesh), sharded(rows, mesh), sharded(columns, mesh))
+    for got in (lazy, traced):
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got, expected))
+
+
 @pytest.mark.parametrize("padding_mode", ["zeros", "border"])
 @pytest.mark.parametrize("align_corners", [False, True])
 def test_bilinear_sampling_by_rows_equals_rfdetrs_sampler(padding_mode: str, align_corners: bool) -> None:
@@ -93,7 +118,7 @@ def test_bilinear_sampling_by_rows_equals_rfdetrs_sampler(padding_mode: str, ali
     (expected * expected).sum().backward()
     mesh = build_mesh()
     xv, xp = sharded(value, mesh).requires_grad_(), sharded(grid, mesh).requires_grad_()
-    out = xla_safe.bilinear_sample_rows(xv, xp, padding_mode, align_corners)
+    out = row_lookups.bilinear_sample_rows(xv, xp, padding_mode, align_corners)
     (out * out).sum().backward()
     assert torch.allclose(out.detach().cpu(), expected.detach(), atol=1e-6)
     assert torch.allclose(xv.grad.cpu(), v.grad, atol=1e-5)

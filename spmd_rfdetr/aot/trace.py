@@ -84,6 +84,7 @@ def trace_programs(cfg: RunConfig, out: Path, train_only: bool = False) -> list[
     from spmd_rfdetr.training.build import build_trainer, unwrap
     from spmd_rfdetr.data.batches import blank_batch
     from spmd_rfdetr.eval.evaluator import EvalForward, eval_sizes
+    from spmd_rfdetr.model.row_lookups import row_gathers
     from spmd_rfdetr.xla.fabric import spmd_fabric
     from spmd_rfdetr.xla.mesh import build_mesh
     from spmd_rfdetr.model.upstream import upstream_configs
@@ -119,7 +120,8 @@ def trace_programs(cfg: RunConfig, out: Path, train_only: bool = False) -> list[
         eval_batch, num_select = eval_sizes(cfg, cfgs)
         forward = EvalForward(trainer.inference_model, num_select, fabric.strategy.precision.forward_context)
         blank = place(blank_batch(eval_batch, cfgs.model.resolution, d.max_targets))
-        with torch.no_grad(), forward.eval_mode(), module_labels({"": unwrap(trainer.inference_model)}):
+        with torch.no_grad(), forward.eval_mode(), module_labels({"": unwrap(trainer.inference_model)}), \
+                row_gathers():  # as EvalForward.__call__ traces it
             detections = forward._forward(blank["images"], blank["orig_size"])  # lazily: same graph as openxla's
         outputs = list(detections) if isinstance(detections, tuple) else [detections]  # seg: rows and masks
         programs.append(_write(out, f"eval {cfgs.model.resolution}px", "eval", lower(outputs, name="eval_forward"),

@@ -129,7 +129,9 @@ class EvalForward:
         return rows, picked.view(*queries.shape, *masks.shape[-2:]).float()
 
     def __call__(self, images: torch.Tensor, orig_size: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        with torch.no_grad(), _traceable_pos_encoding(self.model):
+        from spmd_rfdetr.model.row_lookups import row_gathers  # imports torch_xla, as _forward's take_rows
+
+        with torch.no_grad(), _traceable_pos_encoding(self.model), row_gathers():  # traced inside: row lookups
             return self._compiled(images, orig_size)
 
     @contextlib.contextmanager

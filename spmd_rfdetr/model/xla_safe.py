@@ -20,11 +20,12 @@
 - ``torch.nn.MultiheadAttention.forward`` (the decoder's self-attention, ``batch_first``): PyTorch's implementation
   goes sequence-first and flattens (sequence, batch) into one axis with the batch inside, which a batch-sharded
   tensor cannot keep (an all-gather before every projection). Without masks or returned weights the same
-  projections and ``scaled_dot_product_attention`` run on the batch-first layout (:func:`_batch_first_attention`).
+  projections and attention run on the batch-first layout (:func:`_batch_first_attention`; in bf16 without a kept
+  score matrix, :mod:`spmd_rfdetr.model.attention`).
 - ``_bilinear_grid_sample`` (deformable attention's sampling on XLA): rfdetr's XLA path gathers every sampled
   value with an element-wise ``gather`` (one index per value and channel), which the TPU compiler runs as one memory
   tile read per element; its gradient, a scatter-add, it runs on all-gathered operands. The same bilinear sampling as
-  one row lookup per point of its four corners' channels (:func:`bilinear_sample_rows`, through
+  one row lookup per point of its four corners' channels (:func:`~spmd_rfdetr.model.row_lookups.bilinear_sample_rows`, through
   :func:`~spmd_rfdetr.xla.mesh.take_rows` on each device's own images): no collective, and on v5e 2.2x fewer bytes than
   four lookups of one corner each, which were 25x fewer than the element-wise gather. In the training step and the
   eval program (dynamo traces the lookup, as it does the seg masks' one in :mod:`spmd_rfdetr.eval.evaluator`). The seg
@@ -47,15 +48,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from spmd_rfdetr.model.attention import attention
 from spmd_rfdetr.model.resize import resize_as_matmul
+from spmd_rfdetr.model.row_lookups import row_sampler, with_row_gathers
 
 
 def install() -> None:
@@ -112,28 +113,14 @@ def _install_row_lookups() -> None:
     from rfdetr.models.transformer import Transformer
 
     if not getattr(ms_deform_attn_func._bilinear_grid_sample, "_spmd_rfdetr", False):
-        ms_deform_attn_func._bilinear_grid_sample = _row_sampler(ms_deform_attn_func._bilinear_grid_sample,
+        ms_deform_attn_func._bilinear_grid_sample = row_sampler(ms_deform_attn_func._bilinear_grid_sample,
                                                                  lambda: True)  # training trace and eval program
     if not getattr(segmentation._bilinear_grid_sample, "_spmd_rfdetr", False):  # point_sample: training only
-        segmentation._bilinear_grid_sample = _row_sampler(segmentation._bilinear_grid_sample,
+        segmentation._bilinear_grid_sample = row_sampler(segmentation._bilinear_grid_sample,
                                                           lambda: not torch.compiler.is_compiling())
     selection = Transformer._two_stage_group_selection
     if not getattr(selection, "_spmd_rfdetr", False):
-        Transformer._two_stage_group_selection = _with_row_gathers(selection, batch_dim=1)
-
-
-def _row_sampler(upstream: Any, may_patch: Any) -> Any:
-    """rfdetr's ``_bilinear_grid_sample`` as :func:`bilinear_sample_rows` for XLA tensors when ``may_patch()``."""
-
-    @functools.wraps(upstream)
-    def sample(input: torch.Tensor, grid: torch.Tensor, padding_mode: str = "zeros",
-               align_corners: bool = False) -> torch.Tensor:
-        if input.device.type != "xla" or padding_mode not in ("zeros", "border") or not may_patch():
-            return upstream(input, grid, padding_mode, align_corners)
-        return bilinear_sample_rows(input, grid, padding_mode, align_corners)
-
-    sample._spmd_rfdetr = True  # type: ignore[attr-defined]
-    return sample
+        Transformer._two_stage_group_selection = with_row_gathers(selection, batch_dim=1, may_patch=_may_patch)
 
 
 _COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
@@ -171,72 +158,6 @@ def _compare(tensor_op: Any, tensor: torch.Tensor, number: Any) -> torch.Tensor:
 def _addcmul_(self: torch.Tensor, tensor1: torch.Tensor, tensor2: torch.Tensor, *, value: Any = 1) -> torch.Tensor:
     product = tensor1 * tensor2
     return self.add_(product if value == 1 else product * _as_tensor(value, self))
-
-
-def bilinear_sample_rows(input: torch.Tensor, grid: torch.Tensor, padding_mode: str = "zeros",
-                         align_corners: bool = False) -> torch.Tensor:
-    """``F.grid_sample(input [N, C, H, W], grid [N, Hg, Wg, 2], mode="bilinear")`` with rfdetr's coordinate and
-    padding rules (``_bilinear_grid_sample``): one row lookup per sample point of its four corners' channels.
-
-    The map is padded by one pixel (zeros, or edge copies for ``"border"``) and each position's 2x2 neighbourhood
-    stacked into one row of ``4C`` channels, so a point whose top-left corner is ``(x0, y0)``, ``-1 <= x0 < W``, reads
-    one row instead of four: the TPU charges a gathered row about a memory tile whatever its width, and this cut the
-    sampler's bytes 2.2x on v5e (``benchmarks/README.md``). The weights and the sum are rfdetr's, term by term."""
-    from spmd_rfdetr.xla.mesh import take_rows
-
-    images, channels, height, width = input.shape
-    if align_corners:
-        x, y = (grid[..., 0] + 1) * (width - 1) / 2, (grid[..., 1] + 1) * (height - 1) / 2
-    else:
-        x, y = (grid[..., 0] + 1) * width / 2 - 0.5, (grid[..., 1] + 1) * height / 2 - 0.5
-    x0, y0 = x.floor(), y.floor()
-    wx1, wy1 = (x - x0).to(input.dtype).flatten(1)[..., None], (y - y0).to(input.dtype).flatten(1)[..., None]
-    x0, y0 = x0.long().flatten(1), y0.long().flatten(1)
-    padded = F.pad(input, (1, 1, 1, 1), mode="constant" if padding_mode == "zeros" else "replicate")
-    corners = torch.cat([padded[:, :, :-1, :-1], padded[:, :, :-1, 1:], padded[:, :, 1:, :-1], padded[:, :, 1:, 1:]],
-                        dim=1)  # [N, 4C, H+1, W+1]: position (y0+1, x0+1) holds (y0, x0), (y0, x0+1), (y0+1, x0), ...
-    index = (y0 + 1).clamp(0, height) * (width + 1) + (x0 + 1).clamp(0, width)  # border: clamped corners are edges
-    value = take_rows(corners.flatten(2).transpose(1, 2), index)  # [N, Hg*Wg, 4C]
-    if padding_mode == "zeros":  # a point whose four corners all lie outside the padded map
-        value = value * ((x0 >= -1) & (x0 < width) & (y0 >= -1) & (y0 < height))[..., None]
-    v00, v01, v10, v11 = value.split(channels, dim=-1)
-    out = (1 - wx1) * (1 - wy1) * v00
-    out = out + wx1 * (1 - wy1) * v01
-    out = out + (1 - wx1) * wy1 * v10
-    out = out + wx1 * wy1 * v11
-    return out.transpose(1, 2).reshape(images, channels, *grid.shape[1:3])
-
-
-def _with_row_gathers(function: Any, batch_dim: int) -> Any:
-    """``function``, whose every ``torch.gather`` on XLA tensors takes whole rows (an index expanded along the last
-    axis), with those gathers as :func:`~spmd_rfdetr.xla.mesh.take_rows` lookups; ``batch_dim``: the images' axis."""
-    from spmd_rfdetr.xla.mesh import take_rows
-
-    @functools.wraps(function)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if not _may_patch():
-            return function(*args, **kwargs)
-        plain = torch.gather
-
-        def gather(input: torch.Tensor, dim: int, index: torch.Tensor, **options: Any) -> torch.Tensor:
-            dim = dim % input.dim()
-            if input.device.type != "xla" or options or dim != input.dim() - 2 or batch_dim >= dim:
-                return plain(input, dim, index, **options)
-            source, rows = input.movedim(batch_dim, 0), index[..., 0].movedim(batch_dim, 0)  # [B, ..., S, C], [B, ..., K]
-            lead, count, picked = source.shape[1:-2], source.shape[-2], rows.shape[-1]
-            offsets = torch.arange(math.prod(lead), device=rows.device).view(*lead, 1) * count
-            taken = take_rows(source.reshape(source.shape[0], -1, source.shape[-1]),
-                              (rows + offsets).flatten(1))  # [B, prod(lead)*K, C]
-            return taken.view(source.shape[0], *lead, picked, source.shape[-1]).movedim(0, batch_dim)
-
-        torch.gather = gather  # type: ignore[assignment]
-        try:
-            return function(*args, **kwargs)
-        finally:
-            torch.gather = plain  # type: ignore[assignment]
-
-    wrapped._spmd_rfdetr = True  # type: ignore[attr-defined]
-    return wrapped
 
 
 def _install_batch_major_windows(embeddings: Any) -> None:
@@ -303,7 +224,7 @@ def _batch_first_attention(self: torch.nn.MultiheadAttention, query: torch.Tenso
         return linear(x, weights[i], biases[i]).view(batch, x.shape[1], heads, width // heads).transpose(1, 2)
 
     q, k, v = project(query, 0), project(key, 1), project(value, 2)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)  # [B, H, L, E/H]
+    out = attention(q, k, v)  # [B, H, L, E/H]
     out = out.transpose(1, 2).reshape(batch, length, width)
     return linear(out, self.out_proj.weight, self.out_proj.bias)
 

@@ -50,8 +50,10 @@ def bilinear_sample_rows(input: torch.Tensor, grid: torch.Tensor, padding_mode: 
 
     The map is padded by one pixel (zeros, or edge copies for ``"border"``) and each position's 2x2 neighbourhood
     stacked into one row of ``4C`` channels, so a point whose top-left corner is ``(x0, y0)``, ``-1 <= x0 < W``, reads
-    one row instead of four: the TPU charges a gathered row about a memory tile whatever its width, and this cut the
-    sampler's bytes 2.2x on v5e (``benchmarks/README.md``). The weights and the sum are rfdetr's, term by term."""
+    one row instead of four: the TPU charges a gathered row about a memory tile whatever its width. With the padding
+    mask on the weights (not on the rows) a v5e chip's sampler forward and backward at v5e.yaml's shapes, 4 images,
+    moves 3.27 GB, against 9.10 with four lookups (``benchmarks/README.md``). The weights and the sum are rfdetr's,
+    term by term."""
     images, channels, height, width = input.shape
     if align_corners:
         x, y = (grid[..., 0] + 1) * (width - 1) / 2, (grid[..., 1] + 1) * (height - 1) / 2
@@ -64,14 +66,16 @@ def bilinear_sample_rows(input: torch.Tensor, grid: torch.Tensor, padding_mode: 
     corners = torch.cat([padded[:, :, :-1, :-1], padded[:, :, :-1, 1:], padded[:, :, 1:, :-1], padded[:, :, 1:, 1:]],
                         dim=1)  # [N, 4C, H+1, W+1]: position (y0+1, x0+1) holds (y0, x0), (y0, x0+1), (y0+1, x0), ...
     index = (y0 + 1).clamp(0, height) * (width + 1) + (x0 + 1).clamp(0, width)  # border: clamped corners are edges
-    value = take_rows(corners.flatten(2).transpose(1, 2), index)  # [N, Hg*Wg, 4C]
-    if padding_mode == "zeros":  # a point whose four corners all lie outside the padded map
-        value = value * ((x0 >= -1) & (x0 < width) & (y0 >= -1) & (y0 < height))[..., None]
-    v00, v01, v10, v11 = value.split(channels, dim=-1)
-    out = (1 - wx1) * (1 - wy1) * v00
-    out = out + wx1 * (1 - wy1) * v01
-    out = out + (1 - wx1) * wy1 * v10
-    out = out + wx1 * wy1 * v11
+    v00, v01, v10, v11 = take_rows(corners.flatten(2).transpose(1, 2), index).split(channels, dim=-1)  # [N, G, C]
+    weights = [(1 - wx1) * (1 - wy1), wx1 * (1 - wy1), (1 - wx1) * wy1, wx1 * wy1]
+    if padding_mode == "zeros":  # a point whose four corners all lie outside the padded map weighs 0: on the weights
+        # ([N, G, 1]), in their dtype (torch_xla multiplies a bf16 tensor by a bool one in f32, a copy of the rows)
+        inside = ((x0 >= -1) & (x0 < width) & (y0 >= -1) & (y0 < height)).to(input.dtype)[..., None]
+        weights = [weight * inside for weight in weights]
+    out = weights[0] * v00
+    out = out + weights[1] * v01
+    out = out + weights[2] * v10
+    out = out + weights[3] * v11
     return out.transpose(1, 2).reshape(images, channels, *grid.shape[1:3])
 
 

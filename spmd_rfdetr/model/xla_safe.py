@@ -25,11 +25,11 @@
 - ``_bilinear_grid_sample`` (deformable attention's sampling on XLA): rfdetr's XLA path gathers every sampled
   value with an element-wise ``gather`` (one index per value and channel), which the TPU compiler runs as one memory
   tile read per element; its gradient, a scatter-add, it runs on all-gathered operands. The same bilinear sampling as
-  one row lookup per point of its four corners' channels (:func:`~spmd_rfdetr.model.row_lookups.bilinear_sample_rows`, through
-  :func:`~spmd_rfdetr.xla.mesh.take_rows` on each device's own images): no collective, and on v5e 2.2x fewer bytes than
-  four lookups of one corner each, which were 25x fewer than the element-wise gather. In the training step and the
-  eval program (dynamo traces the lookup, as it does the seg masks' one in :mod:`spmd_rfdetr.eval.evaluator`). The seg
-  variants' ``point_sample`` (mask cost and losses, also under ``no_grad``) goes through the same rows.
+  one row lookup per point of its four corners' channels (:mod:`spmd_rfdetr.model.row_lookups`, on each device's
+  own images): no collective, and on v5e 2.8x fewer bytes than four lookups of one corner each, which were 25x fewer
+  than the element-wise gather. In the training step and the eval program (dynamo traces the lookup, as it does the
+  seg masks' one in :mod:`spmd_rfdetr.eval.evaluator`). The seg variants' ``point_sample`` (mask cost and losses,
+  also under ``no_grad``) goes through the same rows.
 - ``SegmentationHead.sparse_forward`` (the seg variants' mask head, training): its bilinear upsampling of the
   spatial features has no XLA gradient (``aten::upsample_bilinear2d_backward`` ran on the host, a round trip inside
   the step). The same resize as two matrix products, as for the position table above.

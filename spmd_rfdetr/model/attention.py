@@ -9,6 +9,9 @@ the MXU does in a fraction of the time the copies took to move) and uses FlashAt
 
 The softmax is computed in float32 from bf16 scores and its result rounded to bf16, the precision the MXU reads it in
 anyway; float32 inputs go to ``scaled_dot_product_attention`` unchanged (the CPU parity tests compare with upstream).
+Measured with libtpu at v5e.yaml's shapes per chip (``[208, 8, 300, 32]``, forward and backward): 9.26 GB against
+PyTorch's 11.45; in the v5e step 20.4 GB against 23.8. The scores' matmul still writes float32 (XLA folds the
+softmax's upcast into it); a bf16 softmax would halve that but was 4x less accurate, so it was not kept.
 """
 
 from __future__ import annotations

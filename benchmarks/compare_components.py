@@ -1,0 +1,64 @@
+"""Two ``aot`` reports of the same recipe, component by component: a markdown table and a PNG of HBM bytes per step.
+
+    python benchmarks/compare_components.py BEFORE.json AFTER.json --png OUT.png [--program train_step]
+
+Each report must carry ``bytes_by_component`` (``aot`` writes it; ``benchmarks/components.py`` adds it to an older
+report from its kept compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def components(report: Path, program: str) -> tuple[dict, dict[str, float]]:
+    """(the program's entry, its bytes per step by component)."""
+    entry = next(p for p in json.loads(report.read_text())["programs"] if p["name"].startswith(program))
+    return entry, {c["component"]: c["bytes"] for c in entry["bytes_by_component"]["components"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("before", type=Path)
+    parser.add_argument("after", type=Path)
+    parser.add_argument("--program", default="train_step", help="program name prefix (train_step, eval)")
+    parser.add_argument("--png", type=Path)
+    parser.add_argument("--min-gb", type=float, default=1.0, help="components under this in both go to 'the rest'")
+    args = parser.parse_args()
+    (old_entry, old), (new_entry, new) = components(args.before, args.program), components(args.after, args.program)
+    images = new_entry["images_per_device"]
+    names = sorted(set(old) | set(new), key=lambda n: -max(old.get(n, 0.0), new.get(n, 0.0)))
+    shown = [n for n in names if max(old.get(n, 0.0), new.get(n, 0.0)) >= args.min_gb * 1e9]
+    rows = [(n, old.get(n, 0.0), new.get(n, 0.0)) for n in shown]
+    rest = [n for n in names if n not in shown]
+    rows.append(("the rest", sum(old.get(n, 0.0) for n in rest), sum(new.get(n, 0.0) for n in rest)))
+    print("| component | before: GB / step / chip | after | after / before |")
+    print("|---|---|---|---|")
+    for name, a, b in rows:
+        print(f"| {name} | {a / 1e9:.2f} | {b / 1e9:.2f} | {b / a if a else float('nan'):.2f} |")
+    a, b = old_entry["bytes_accessed"], new_entry["bytes_accessed"]
+    print(f"| **compiler's bytes accessed** | **{a / 1e9:.1f}** ({a / images:.3g} / image) | **{b / 1e9:.1f}** "
+          f"({b / images:.3g} / image) | {b / a:.2f} |")
+    if args.png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
+        ys = range(len(rows))
+        ax.barh([y + 0.2 for y in ys], [r[1] / 1e9 for r in rows], height=0.4, label=f"before ({a / 1e9:.0f} GB)")
+        ax.barh([y - 0.2 for y in ys], [r[2] / 1e9 for r in rows], height=0.4, label=f"after ({b / 1e9:.0f} GB)")
+        ax.set_yticks(list(ys), [r[0] for r in rows], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("HBM bytes per step per chip, GB (libtpu cost analysis)")
+        ax.set_title(f"{new_entry['name']} on {new_entry['topology']}, {images} images per chip")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -182,17 +182,24 @@ def _take(values: Tensor, index: Tensor) -> Tensor:
 
 
 def _pick(values: Tensor, index: Tensor) -> Tensor:
-    """``values[p, index[p, t]]`` for ``values [P, N]`` and ``index [P, T]`` (0 where ``index`` is out of range), as
-    a one-hot select and sum over ``N``: exact (one term is not zero), and on a TPU one fused pass over ``values``
-    where an element-wise gather costs a memory tile per element (the loops run it every round)."""
+    """``values[p, index[p, t]]`` for ``values [P, N]`` and ``index [P, T]`` (0 where ``index`` is ``N``).
+
+    On XLA a one-hot select and sum over ``N`` (exact: one term is not zero), which the TPU runs as one fused pass over
+    ``values`` where an element-wise gather costs a memory tile per element (the loops run it every round); eager
+    tensors take ``torch.gather`` (the same values; the one-hot's ``[P, T, N]`` would be built op by op)."""
+    if values.device.type != "xla":
+        padded = torch.cat([values, torch.zeros_like(values[:, :1])], dim=1)
+        return padded.gather(1, index.long().clamp(0, values.shape[1]))
     hit = index[:, :, None] == torch.arange(values.shape[1], device=values.device, dtype=index.dtype)
     return torch.where(hit, values[:, None, :], torch.zeros_like(values[:, None, :])).sum(dim=2, dtype=values.dtype)
 
 
 def _row(values: Tensor, row: Tensor) -> Tensor:
-    """``values[p, row[p], :]`` for ``values [P, T, N]`` and ``row [P]``, as a one-hot select and sum over ``T``
-    (exact): on a TPU one fused pass over ``values`` (a row lookup of ``[P * T, N]`` was 2.4x its bytes, priced
-    alone by libtpu, and the flattening a copy: the TPU tiles ``T`` in 8s)."""
+    """``values[p, row[p], :]`` for ``values [P, T, N]`` and ``row [P]``; on XLA a one-hot select and sum over ``T``
+    (exact): one fused pass over ``values`` on a TPU (a row lookup of ``[P * T, N]`` was 2.4x its bytes, priced alone by
+    libtpu, and the flattening a copy: the TPU tiles ``T`` in 8s); eager tensors take ``torch.gather``."""
+    if values.device.type != "xla":
+        return values.gather(1, row.long()[:, None, None].expand(values.shape[0], 1, values.shape[2]))[:, 0]
     hit = torch.arange(values.shape[1], device=values.device, dtype=row.dtype) == row[:, None]
     return torch.where(hit[:, :, None], values, torch.zeros((), dtype=values.dtype, device=values.device)).sum(dim=1)
 

@@ -125,7 +125,20 @@ def test_padded_split_one_eval_graph_and_upstream_eager_parity(tiny, trained_sta
     np.testing.assert_allclose(ours, ref_stats, atol=1e-4, rtol=0)
     rows = ev.run_detection(evaluator.forward, evaluator.loader, evaluator.to_device).rows
     np.testing.assert_allclose(rows[..., SCORE], ref_rows[..., SCORE], atol=1e-4)
-    np.testing.assert_allclose(rows[..., BOXES], ref_rows[..., BOXES], atol=1e-2)  # pixels of a 160 px image
+    assert_same_detections(rows, ref_rows)
+
+
+def assert_same_detections(rows: np.ndarray, ref_rows: np.ndarray) -> None:
+    """Each image's detections (``[images, K, columns]``, best first) equal the reference's, boxes to 1e-2 px (of a
+    160 px image), where two detections whose scores agree to 1e-4 may come in either order (top-k of a near tie)."""
+    for image, (ours, ref) in enumerate(zip(rows, ref_rows)):
+        close_score = np.abs(ours[:, None, SCORE] - ref[None, :, SCORE]) <= 1e-4
+        close_box = np.abs(ours[:, None, BOXES] - ref[None, :, BOXES]).max(-1) <= 1e-2
+        free = np.ones(len(ref), dtype=bool)
+        for k, candidates in enumerate(close_score & close_box):
+            matches = np.flatnonzero(candidates & free)
+            assert matches.size, f"image {image} detection {k} {ours[k]}: no reference detection within tolerance"
+            free[matches[0]] = False
 
 
 def test_the_train_split_is_evaluated_as_read_for_evaluation(tiny, first_eval):

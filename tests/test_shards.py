@@ -125,6 +125,32 @@ def test_bilinear_sampling_by_rows_equals_rfdetrs_sampler(padding_mode: str, ali
     assert torch.allclose(xp.grad.cpu(), p.grad, atol=1e-4)
 
 
+def test_deformable_attention_as_one_product_equals_rfdetrs_core() -> None:
+    """The installed core on a sharded mesh (two levels, points inside, on the edges and outside) against rfdetr's
+    own on the CPU (``F.grid_sample``): output and the gradients of the map, the locations and the weights."""
+    from rfdetr.models.ops.functions import ms_deform_attn_core_pytorch as upstream
+    from rfdetr.models.ops.modules import ms_deform_attn
+
+    xla_safe.install()
+    shapes = [(6, 7), (3, 4)]
+    g = torch.Generator().manual_seed(3)
+    value = torch.randn(4, 2, 8, sum(h * w for h, w in shapes), generator=g)
+    locations = torch.rand(4, 5, 2, len(shapes), 3, 2, generator=g) * 1.6 - 0.3
+    weights = torch.softmax(torch.randn(4, 5, 2, len(shapes) * 3, generator=g), -1)
+    cpu = [t.clone().requires_grad_() for t in (value, locations, weights)]
+    expected = upstream(cpu[0], torch.tensor(shapes), cpu[1], cpu[2], value_spatial_shapes_hw=shapes)
+    (expected * expected).sum().backward()
+    mesh = build_mesh()
+    xla = [sharded(t, mesh).requires_grad_() for t in (value, locations.flatten(3, 4), weights)]  # XLA: rank <= 5
+    out = ms_deform_attn.ms_deform_attn_core_pytorch(xla[0], torch.tensor(shapes), xla[1].view(locations.shape),
+                                                     xla[2], value_spatial_shapes_hw=shapes)
+    assert "SPMDFullToShardShape" not in torch_xla._XLAC._get_xla_tensors_hlo([out])  # not the row lookups
+    (out * out).sum().backward()
+    assert torch.allclose(out.detach().cpu(), expected.detach(), atol=1e-5)
+    for got, want in zip(xla, cpu):
+        assert torch.allclose(got.grad.cpu().view(want.shape), want.grad, atol=1e-4)
+
+
 def _decoder_layer(group_detr: int) -> torch.nn.Module:
     from rfdetr.models.transformer import TransformerDecoderLayer
 

@@ -77,8 +77,8 @@ RULES: list[tuple[str, str]] = [
     ("criterion: class", r"^criterion|spmd_rfdetr/model/loss\.py|rfdetr/models/criterion\.py"),
     # the model, by module path (labels), then by source file
     ("deformable cross-attention: sampler",
-     r"cross_attn[^|]*\|.*(ms_deform_attn_func\.py|spmd_rfdetr/model/xla_safe\.py|spmd_rfdetr/xla/mesh\.py|"
-     r"rfdetr/utilities/tensors\.py)|ms_deform_attn_func\.py"),
+     r"cross_attn[^|]*\|.*(ms_deform_attn_func\.py|spmd_rfdetr/model/(xla_safe|deform_attention)\.py|"
+     r"spmd_rfdetr/xla/mesh\.py|rfdetr/utilities/tensors\.py)|ms_deform_attn_func\.py|model/deform_attention\.py"),
     ("deformable cross-attention", r"\.cross_attn\b|ms_deform_attn\.py"),
     ("decoder self-attention", r"\.self_attn\b"),
     ("two-stage proposals", r"^transformer\.enc_|^transformer/"),

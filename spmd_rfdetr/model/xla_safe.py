@@ -22,14 +22,17 @@
   tensor cannot keep (an all-gather before every projection). Without masks or returned weights the same
   projections and attention run on the batch-first layout (:func:`_batch_first_attention`; in bf16 without a kept
   score matrix, :mod:`spmd_rfdetr.model.attention`).
-- ``_bilinear_grid_sample`` (deformable attention's sampling on XLA): rfdetr's XLA path gathers every sampled
-  value with an element-wise ``gather`` (one index per value and channel), which the TPU compiler runs as one memory
-  tile read per element; its gradient, a scatter-add, it runs on all-gathered operands. The same bilinear sampling as
-  one row lookup per point of its four corners' channels (:mod:`spmd_rfdetr.model.row_lookups`, on each device's
-  own images): no collective, and on v5e 2.8x fewer bytes than four lookups of one corner each, which were 25x fewer
-  than the element-wise gather. In the training step and the eval program (dynamo traces the lookup, as it does the
-  seg masks' one in :mod:`spmd_rfdetr.eval.evaluator`). The seg variants' ``point_sample`` (mask cost and losses,
-  also under ``no_grad``) goes through the same rows.
+- ``ms_deform_attn_core_pytorch`` (deformable attention's core, XLA, maps of up to 2,048 positions: every RF-DETR
+  detector): one matrix product per image and head whose weight matrix the TPU compiler builds inside the product
+  (:mod:`spmd_rfdetr.model.deform_attention`; v5e.yaml's shapes: 2.7x fewer bytes than the row lookups below).
+- ``_bilinear_grid_sample`` (the sampling on larger maps, and the seg variants' ``point_sample``): rfdetr's XLA path
+  gathers every sampled value with an element-wise ``gather`` (one index per value and channel), which the TPU
+  compiler runs as one memory tile read per element; its gradient, a scatter-add, it runs on all-gathered operands.
+  The same bilinear sampling as one row lookup per point of its four corners' channels
+  (:mod:`spmd_rfdetr.model.row_lookups`, on each device's own images): no collective, and on v5e 2.8x fewer bytes
+  than four lookups of one corner each, which were 25x fewer than the element-wise gather. Both in the training step
+  and the eval program (dynamo traces them, as it does the seg masks' lookup in :mod:`spmd_rfdetr.eval.evaluator`);
+  ``point_sample`` (mask cost and losses, also under ``no_grad``) in the training step.
 - ``SegmentationHead.sparse_forward`` (the seg variants' mask head, training): its bilinear upsampling of the
   spatial features has no XLA gradient (``aten::upsample_bilinear2d_backward`` ran on the host, a round trip inside
   the step). The same resize as two matrix products, as for the position table above.
@@ -55,6 +58,7 @@ from typing import Any
 import torch
 
 from spmd_rfdetr.model.attention import attention
+from spmd_rfdetr.model.deform_attention import dense_core_for_xla
 from spmd_rfdetr.model.resize import resize_as_matmul
 from spmd_rfdetr.model.row_lookups import row_sampler, with_row_gathers
 
@@ -110,8 +114,11 @@ def _install_mask_head_resize() -> None:
 def _install_row_lookups() -> None:
     from rfdetr.models.heads import segmentation
     from rfdetr.models.ops.functions import ms_deform_attn_func
+    from rfdetr.models.ops.modules import ms_deform_attn
     from rfdetr.models.transformer import Transformer
 
+    if not getattr(ms_deform_attn.ms_deform_attn_core_pytorch, "_spmd_rfdetr", False):  # small maps: one product
+        ms_deform_attn.ms_deform_attn_core_pytorch = dense_core_for_xla(ms_deform_attn.ms_deform_attn_core_pytorch)
     if not getattr(ms_deform_attn_func._bilinear_grid_sample, "_spmd_rfdetr", False):
         ms_deform_attn_func._bilinear_grid_sample = row_sampler(ms_deform_attn_func._bilinear_grid_sample,
                                                                  lambda: True)  # training trace and eval program

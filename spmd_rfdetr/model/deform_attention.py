@@ -1,0 +1,117 @@
+"""Deformable attention's core as one matrix product per image and head, for the small maps RF-DETR samples.
+
+rfdetr's ``ms_deform_attn_core_pytorch`` samples each query's points bilinearly (four corners each) and sums them with
+the attention weights. Written out, one image and head's output is ``W @ V``: ``V`` the map's ``S`` positions
+(``[S, C]``) and ``W`` a ``[Q, S]`` matrix holding, per query, the attention weight times the bilinear weight of
+every corner it reads (at most ``levels x points x 4`` non-zeros a row). RF-DETR's maps are small (one P4 level:
+24x24 for Nano at 384 px, 44x44 for Large at 704), so the MXU does that product in well under a millisecond, and the
+TPU compiler builds ``W`` inside the product's own fusion from the corners' indices and weights: it never reaches
+HBM. The backward materialises ``dW = dOut @ V^T`` once (bf16) and picks each corner's gradient from it.
+
+Against row lookups (:mod:`spmd_rfdetr.model.row_lookups`), whose gathers the TPU charges about a memory tile per
+row: v5e.yaml's shapes (16 images, 16 heads, 3,900 queries, 2 points, 24x24), forward + backward, 13.98 -> 5.82 GB
+per layer (``benchmarks/README.md``). Per-corner zero padding and the coordinates are ``_bilinear_grid_sample``'s;
+the corner weights are summed in the weights' dtype (f32 under autocast) and rounded to the map's dtype once.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+#: Above this many positions (all levels) :func:`dense_core_for_xla` leaves the core to rfdetr's sampler (row lookups
+#: on XLA): ``dW`` grows with the map, the lookups do not. v5e, one layer forward + backward at 16 images: 24x24
+#: 5.2 GB vs 14.0 by rows, 32x32 (Small) 8.5 vs 14.5, 44x44 (Large) 14.5 vs 15.5.
+DENSE_MAX_POSITIONS = 2048
+
+
+def corners(locations: torch.Tensor, attention_weights: torch.Tensor, shapes: list[tuple[int, int]],
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sampled corner's flat position (``-1`` outside the map) and weight (attention x bilinear), as
+    ``[B * heads, Q, levels * points * 4]``, from rfdetr's ``sampling_locations`` ``[B, Q, heads, levels, points, 2]``
+    (in ``[0, 1]``) and ``attention_weights`` ``[B, Q, heads, levels * points]``."""
+    batch, queries, heads, levels, points, _ = locations.shape
+    attention = attention_weights.reshape(batch, queries, heads, levels, points)
+    grid = 2 * locations - 1  # rfdetr's own steps to pixel coordinates, for the same rounding
+    positions, weights, start = [], [], 0
+    for level, (height, width) in enumerate(shapes):
+        x = (grid[:, :, :, level, :, 0] + 1) * width / 2 - 0.5
+        y = (grid[:, :, :, level, :, 1] + 1) * height / 2 - 0.5
+        x0, y0 = x.floor(), y.floor()
+        fx, fy = x - x0, y - y0
+        x0, y0 = x0.clamp(-2, width).to(torch.int32), y0.clamp(-2, height).to(torch.int32)  # far outside stays out
+        for dy, wy in ((0, 1 - fy), (1, fy)):
+            for dx, wx in ((0, 1 - fx), (1, fx)):
+                xi, yi = x0 + dx, y0 + dy
+                inside = (xi >= 0) & (xi < width) & (yi >= 0) & (yi < height)
+                positions.append(torch.where(inside, start + yi * width + xi, -1))
+                weights.append(attention[:, :, :, level] * wx * wy)
+        start += height * width
+    def flat(parts: list[torch.Tensor]) -> torch.Tensor:  # [B, Q, heads, points, 4 per level] -> [B*heads, Q, K]
+        return torch.stack(parts, -1).flatten(3).transpose(1, 2).flatten(0, 1)
+    return flat(positions), flat(weights)
+
+
+def _weight_matrix(positions: torch.Tensor, weights: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[N, Q, size]``: each corner's weight at its position, summed (one select per corner, so that the compiler
+    fuses the whole matrix into the product that reads it)."""
+    grid = torch.arange(size, device=positions.device, dtype=positions.dtype)
+    matrix = None
+    for k in range(positions.shape[-1]):
+        term = torch.where(positions[..., k, None] == grid, weights[..., k, None], 0.0)
+        matrix = term if matrix is None else matrix + term
+    return matrix.to(dtype)
+
+
+class _Sample(torch.autograd.Function):
+    """``W(positions, weights) @ value^T`` per row of ``value [N, C, S]``; gradients for ``value`` and ``weights``."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        matrix = _weight_matrix(positions, weights, value.shape[-1], value.dtype)
+        ctx.save_for_backward(value, positions, matrix)
+        ctx.weights_dtype = weights.dtype
+        return torch.matmul(matrix, value.transpose(1, 2))  # [N, Q, C]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
+        value, positions, matrix = ctx.saved_tensors
+        grad = grad.to(value.dtype)
+        grad_value = torch.matmul(grad.transpose(1, 2), matrix)  # [N, C, S]
+        grad_matrix = torch.matmul(grad, value)  # [N, Q, S]
+        grid = torch.arange(value.shape[-1], device=positions.device, dtype=positions.dtype)
+        zero = grad_matrix.new_zeros(())
+        # one non-zero per sum: exact in the map's dtype
+        grad_weights = torch.stack([torch.where(positions[..., k, None] == grid, grad_matrix, zero).sum(-1)
+                                    for k in range(positions.shape[-1])], -1)
+        return grad_value, None, grad_weights.to(ctx.weights_dtype)
+
+
+def dense_core(value: torch.Tensor, locations: torch.Tensor, attention_weights: torch.Tensor,
+               shapes: list[tuple[int, int]]) -> torch.Tensor:
+    """rfdetr's ``ms_deform_attn_core_pytorch(value [B, heads, C, S], ..., sampling_locations, attention_weights)``
+    -> ``[B, Q, heads * C]`` (in ``value``'s dtype) as one product per image and head."""
+    batch, heads, channels, size = value.shape
+    positions, weights = corners(locations, attention_weights, shapes)
+    out = _Sample.apply(value.flatten(0, 1), positions, weights)  # [B * heads, Q, C]
+    return out.view(batch, heads, -1, channels).transpose(1, 2).flatten(2)
+
+
+def dense_core_for_xla(upstream: Any) -> Any:
+    """rfdetr's ``ms_deform_attn_core_pytorch`` as :func:`dense_core` for XLA tensors on maps of at most
+    :data:`DENSE_MAX_POSITIONS` positions with Python ``(H, W)`` pairs (rank-6 locations)."""
+
+    @functools.wraps(upstream)
+    def core(value: torch.Tensor, value_spatial_shapes: torch.Tensor, sampling_locations: torch.Tensor,
+             attention_weights: torch.Tensor, value_spatial_shapes_hw: list[tuple[int, int]] | None = None,
+             ) -> torch.Tensor:
+        if (value.device.type != "xla" or value_spatial_shapes_hw is None or sampling_locations.dim() != 6
+                or sum(h * w for h, w in value_spatial_shapes_hw) > DENSE_MAX_POSITIONS):
+            return upstream(value, value_spatial_shapes, sampling_locations, attention_weights,
+                            value_spatial_shapes_hw=value_spatial_shapes_hw)
+        return dense_core(value, sampling_locations, attention_weights, value_spatial_shapes_hw)
+
+    core._spmd_rfdetr = True  # type: ignore[attr-defined]
+    return core

@@ -4,6 +4,8 @@
     python benchmarks/run.py --config configs/v5e.yaml --compare upstream --warmup 3 --steps 5
     python benchmarks/run.py --config configs/cpu.yaml --scaling 1,2,4,8            # our side over mesh sizes
     python benchmarks/run.py --config configs/v5e.yaml --matcher                     # assignment micro-benchmark
+    python benchmarks/run.py --config configs/v5e.yaml --compare upstream --tpu-compiler v5e:1x1 --warmup 2 --steps 1 \
+        --ours-report report.json   # upstream's step graphs on the TPU compiler, beside ours (aot --json report.json)
     python benchmarks/run.py --config configs/cpu.yaml --compare upstream --step-mode replay,trace  # ours per mode
     python benchmarks/run.py --config configs/cpu.yaml --loader --loader-workers 0,1,2  # input pipeline, no XLA
     python benchmarks/run.py --config configs/v5e.yaml --loader --loader-jpegs 640x480,1280x960 --batch 16
@@ -76,6 +78,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", help="a `fit` YAML (configs/*.yaml); its model/data/optim/trainer sections are used")
     p.add_argument("--compare", choices=["upstream"], help="also run upstream rfdetr's own XLA training path")
+    p.add_argument("--tpu-compiler", metavar="TOPOLOGY", help="with --compare upstream: upstream's steady-state step "
+                   "graphs (at the config's per-chip batch, one device) compiled by libtpu for one chip of TOPOLOGY "
+                   "(e.g. v5e:1x1): bytes, FLOPs and roofline per image (bench/compiler.py)")
+    p.add_argument("--ours-report", type=Path, help="with --tpu-compiler: an `aot --json` report of the same config, "
+                   "for ours beside upstream")
     p.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps, not in the statistics (default 3)")
     p.add_argument("--json", type=Path, help="output JSON (default benchmarks/results/<model>-<res>-b<batch>-<hw>-<date>.json)")
@@ -152,7 +159,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     from bench.commands import main_compare, main_matcher, main_scaling
 
-    if args.matcher:
+    if args.tpu_compiler:
+        if args.compare != "upstream":
+            raise SystemExit("--tpu-compiler compiles upstream's step: add --compare upstream")
+        from bench.compiler import main_upstream_compiler
+
+        main_upstream_compiler(cfg, args)
+    elif args.matcher:
         main_matcher(cfg, args)
     elif args.scaling:
         if args.compare:

@@ -27,8 +27,8 @@ works):
   ``matching`` the on-device exact assignment (``matching_problems``: DETR-like problems and SciPy's answer);
   ``loss`` rfdetr's matching cost and set criterion on whole static batches; ``masks`` the seg variants' mask cost and
   losses; ``xla_safe`` rfdetr/torch functions rewritten for XLA tensors (``resize``: resizes as matrix products;
-  ``row_lookups``: gathers and bilinear sampling as row lookups; ``attention``: bf16 attention without a kept score
-  matrix);
+  ``row_lookups``: gathers and bilinear sampling as row lookups; ``deform_attention``: deformable attention as one
+  matrix product per image and head; ``attention``: bf16 attention without a kept score matrix);
   ``weights`` weight files and the architecture they hold; ``export`` rfdetr's exporter on a checkpoint's weights.
 - ``xla/`` everything torch_xla-specific (the room another backend would sit beside): ``runtime`` the PJRT device,
   SPMD, the persistent compilation cache; ``mesh`` the ``(data, fsdp)`` mesh and work on each device's own rows;

@@ -141,6 +141,7 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
         "resolved_run_config": dataclasses.asdict(cfg),
         "resolved_model_config": json.loads(cfgs.model.model_dump_json()),
         "per_step": records,
+        "graph_offsets": graph_offsets,
     })
     return result
 
@@ -188,6 +189,15 @@ def child_upstream(spec: dict[str, Any]) -> dict[str, Any]:
         optimizer.step()
         torch_xla.sync()  # XLAPrecision.optimizer_step: xm.mark_step()
         return loss.detach()
+
+    graph_offsets: list[int] = []
+    if spec.get("record_graph_offsets"):  # bench.compiler: where each step's graphs end in XLA_SAVE_TENSORS_FILE
+        saved, timed = os.environ["XLA_SAVE_TENSORS_FILE"] + ".0", step
+
+        def step(batch: dict[str, Any]) -> Any:
+            out = timed(batch)
+            graph_offsets.append(os.path.getsize(saved))
+            return out
 
     traces = PythonTraces(net)
     records, outputs, loop = timed_steps(step, batches, spec["warmup"], spec["steps"], "upstream", traces)

@@ -1,0 +1,133 @@
+"""Upstream's training step on the TPU compiler (``run.py --compare upstream --tpu-compiler TOPOLOGY``).
+
+Upstream rfdetr reaches a TPU through Lightning's XLAStrategy: lazy torch_xla, one process per chip, its SciPy matcher
+on the host, so each step runs several graphs (up to the matcher's host read, then the loss, backward and optimizer).
+The upstream child (:func:`bench.sides.child_upstream`) runs its step on one XLA CPU device with torch_xla's
+``XLA_SAVE_TENSORS_FILE`` (every graph it executes, as HLO, cached or not) and notes where each step's graphs end;
+here the graphs of the steady-state steps (after the warm-up) are compiled for one chip of the topology with libtpu
+(as the ``aot`` verb compiles ours) and summed per step: FLOPs, HBM bytes and the memory-bound roofline, per image,
+next to ours from an ``aot`` report of the same config (``--ours-report``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import datetime
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .children import run_child
+
+_GRAPH = re.compile(r"## BEGIN_GRAPH\n(.*?)\n(?:Graph Hash: (\w+)\n)?## END_GRAPH", re.S)
+
+
+def graphs_by_step(path: Path, ends: list[int]) -> list[list[tuple[str, str]]]:
+    """``(hash, HLO text)`` of each graph in torch_xla's saved-tensors file, grouped by the step whose end offset
+    (the file's size after that step) follows it."""
+    text = path.read_bytes()
+    steps: list[list[tuple[str, str]]] = [[] for _ in ends]
+    start = 0
+    for i, end in enumerate(ends):
+        for m in _GRAPH.finditer(text[start:end].decode()):
+            hlo = m.group(1).split("\nGraph Hash:", 1)[0].strip()
+            steps[i].append((m.group(2) or str(hash(hlo)), hlo))
+        start = end
+    return steps
+
+
+def compile_graphs(step_graphs: list[tuple[str, str]], topology: str, cache: dict[str, dict]) -> dict[str, Any]:
+    """libtpu's figures for one step's graphs, each compiled for one chip of ``topology`` (by hash, once)."""
+    from jax._src.lib import _jax
+    from jax._src.lib import xla_client as xc
+
+    from spmd_rfdetr.aot import tpu_compile
+    devices, chip, _ = tpu_compile.build_topology(topology)
+    rows = []
+    for digest, hlo in step_graphs:
+        if digest not in cache:
+            proto = _jax.hlo_module_from_text(hlo).as_serialized_hlo_module_proto()
+            exe = devices[0].client.compile(tpu_compile.to_stablehlo(proto, []), xc.DeviceList((devices[0],)),
+                                            tpu_compile.compile_options([devices[0]]))
+            cost = tpu_compile._cost(exe)
+            cache[digest] = {"hash": digest, "flops": cost["flops"], "bytes": cost["bytes_accessed"],
+                             "hlo_lines": hlo.count("\n") + 1}
+            print(f"[bench] upstream graph {digest[:12]}: {cost['bytes_accessed'] / 1e9:.2f} GB, "
+                  f"{cost['flops'] / 1e9:.1f} GFLOP", file=sys.stderr, flush=True)
+        rows.append(cache[digest])
+    flops, nbytes = sum(r["flops"] for r in rows), sum(r["bytes"] for r in rows)
+    return {"graphs": len(rows), "flops": flops, "bytes": nbytes,
+            "roofline_s": max(flops / chip.peak_bf16_flops, nbytes / chip.hbm_bandwidth), "graph_list": rows}
+
+
+def main_upstream_compiler(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Upstream's step at ours' per-chip batch on one device, its steady-state graphs compiled for the topology."""
+    per_chip = cfg.data.per_device_batch_size or cfg.data.global_batch_size
+    up_cfg = copy.deepcopy(cfg)
+    up_cfg.data.global_batch_size, up_cfg.data.per_device_batch_size = per_chip, None
+    spec = {"run_config": dataclasses.asdict(up_cfg), "warmup": args.warmup, "steps": args.steps, "num_batches": 1,
+            "count_flops": False, "expect_devices": None, "record_graph_offsets": True}
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = Path(tmp) / "graphs.hlo"
+        env = {"XLA_SAVE_TENSORS_FILE": str(saved), "XLA_SAVE_TENSORS_FMT": "hlo"}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            upstream = run_child("upstream", spec, 1, args.child_timeout)
+        finally:
+            for k, v in old.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        steps = graphs_by_step(Path(f"{saved}.0"), upstream["graph_offsets"])
+    from spmd_rfdetr.aot import tpu_compile
+
+    devices, chip, _ = tpu_compile.build_topology(args.tpu_compiler)
+    cache: dict[str, dict] = {}
+    steady = [compile_graphs(graphs, devices, chip, cache) for graphs in steps[args.warmup:]]
+    step = steady[-1]
+    out: dict[str, Any] = {
+        "benchmark": "train_step_tpu_compiler",
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "config_file": args.config, "topology": args.tpu_compiler, "images_per_chip": per_chip,
+        "upstream": {"precision": upstream["precision"], "graphs_per_step": [s["graphs"] for s in steady],
+                     "bytes_per_step": [s["bytes"] for s in steady], "flops_per_step": [s["flops"] for s in steady],
+                     "bytes_per_image": step["bytes"] / per_chip, "flops_per_image": step["flops"] / per_chip,
+                     "roofline_ms_per_image": 1e3 * step["roofline_s"] / per_chip, "graphs": step["graph_list"],
+                     "losses": upstream["losses"]},
+    }
+    if args.ours_report:
+        report = json.loads(Path(args.ours_report).read_text())
+        train = next(p for p in report["programs"] if p["name"].startswith("train"))
+        ours_images = train["images_per_device"]
+        out["ours"] = {"report": args.ours_report, "topology": train["topology"],
+                       "bytes_per_image": train["bytes_accessed"] / ours_images,
+                       "flops_per_image": train["flops"] / ours_images,
+                       "roofline_ms_per_image": train["roofline_ms"] / ours_images}
+        out["ours_over_upstream"] = {k: out["ours"][k] / out["upstream"][k]
+                                     for k in ("bytes_per_image", "flops_per_image", "roofline_ms_per_image")}
+    print(table(out))
+    path = args.json or Path(tempfile.gettempdir()) / "upstream-tpu-compiler.json"
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+    return out
+
+
+def table(out: dict[str, Any]) -> str:
+    lines = [f"| {out['images_per_chip']} images per chip, {out['topology']} | bytes / image | GFLOP / image | "
+             "roofline ms / image |", "|---|---|---|---|"]
+    for side in ("ours", "upstream"):
+        if side in out:
+            s = out[side]
+            lines.append(f"| {side} | {s['bytes_per_image']:.3g} | {s['flops_per_image'] / 1e9:.1f} | "
+                         f"{s['roofline_ms_per_image']:.2f} |")
+    if "ours_over_upstream" in out:
+        r = out["ours_over_upstream"]
+        lines.append(f"| ours / upstream | {r['bytes_per_image']:.2f} | {r['flops_per_image']:.2f} | "
+                     f"{r['roofline_ms_per_image']:.2f} |")
+    return "\n".join(lines)

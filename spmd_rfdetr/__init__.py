@@ -45,6 +45,7 @@ __version__ = "0.1.0"
 
 def train(*args, **kwargs):  # type: ignore[no-untyped-def]
     """:func:`spmd_rfdetr.api.train` (imported on first use: ``import spmd_rfdetr`` stays light)."""
+    # lazy: `import spmd_rfdetr` stays light: train() loads the CLI and the training loop on first use
     from spmd_rfdetr.api import train as _train
 
     return _train(*args, **kwargs)

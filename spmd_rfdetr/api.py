@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spmd_rfdetr import quiet
+from spmd_rfdetr.config.options import ConfigError
+
 #: rfdetr's ``train(...)`` argument -> our option.
 UPSTREAM_NAMES = {
     "dataset_dir": "data.dataset_dir",
@@ -70,12 +73,12 @@ def train(variant: str | None = None, *, config: str | None = None, epochs: floa
 
     Raises ``ConfigError``/``DataError``/``FileNotFoundError`` with the CLI's messages (before anything compiles).
     """
-    from spmd_rfdetr import quiet
-
     quiet.configure(verbose)  # before torch_xla and rfdetr are imported, as the CLI does
+    # lazy: quiet.configure runs first: the CLI's imports (torch, later torch_xla and rfdetr) come after it
     from spmd_rfdetr.cli import LOG_FORMAT, run_config
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # the CLI's log lines (a no-op if logging is set up)
+    # lazy: after quiet.configure, like the CLI import above (xla.hosts imports torch)
     from spmd_rfdetr.xla.hosts import leave_hosts
     from spmd_rfdetr.training.loop import fit
 
@@ -91,8 +94,6 @@ def train(variant: str | None = None, *, config: str | None = None, epochs: floa
 def fit_arguments(variant: str | None = None, *, config: str | None = None, epochs: float | None = None,
                   max_steps: int | None = None, options: dict[str, Any] | None = None, **upstream: Any) -> list[str]:
     """:func:`train`'s arguments as ``fit``'s command line (``--config`` first: the options after it override it)."""
-    from spmd_rfdetr.config.options import ConfigError
-
     unknown = sorted(set(upstream) - set(UPSTREAM_NAMES))
     if unknown:
         raise ConfigError(f"train(): unknown argument(s) {', '.join(unknown)}; rfdetr's names accepted here: "

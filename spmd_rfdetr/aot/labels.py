@@ -33,6 +33,7 @@ _ALL_FRAMES = 1 << 20
 
 
 def _label(tensor: Any, label: str) -> None:
+    # lazy: torch_xla starts on import; labels are set only inside trace_programs, after setup_runtime
     import torch_xla
 
     if isinstance(tensor, torch.Tensor) and tensor.device.type == "xla":

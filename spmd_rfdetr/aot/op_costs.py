@@ -110,6 +110,7 @@ def _window_pairs(out: int, size: int, stride: int, pad_lo: int, lhs_dilate: int
     """(output position, kernel position) pairs of one spatial dimension that read an input element (not padding,
     not a hole of ``lhs_dilate``): XLA writes a batched matmul as a convolution whose window spans the batch with
     ``lhs_dilate`` = window size, where only one kernel position per output is real."""
+    # lazy: the HLO text modules are pure Python (hlo_report, components); only convolution FLOPs need numpy
     import numpy as np
 
     o = np.arange(out, dtype=np.int64)[:, None]

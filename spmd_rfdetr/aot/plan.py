@@ -50,6 +50,7 @@ class MemoryRow:
 
 def meta_model(variant: str, num_classes: int | None = None) -> torch.nn.Module:
     """rfdetr's LWDETR for ``variant`` at its defaults, on the meta device (no memory, no download)."""
+    # lazy: rfdetr (model.upstream imports it too) takes seconds to import: only to build a model, after plan's checks
     import rfdetr.config
     from rfdetr.models.lwdetr import build_model_from_config
 

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as md
 import json
 import os
 import re
@@ -45,8 +46,6 @@ GiB = 2**30
 
 def versions() -> dict[str, str]:
     """jax, jaxlib and libtpu versions (libtpu's wheel version; its build line comes with the topology)."""
-    import importlib.metadata as md
-
     out = {}
     for pkg in ("jax", "jaxlib", "libtpu"):
         try:
@@ -60,6 +59,7 @@ def build_topology(name: str) -> tuple[list, chips_mod.Chip, str]:
     """(devices sorted by id, chip, canonical name); :class:`chips.TopologyError` when libtpu rejects the name."""
     for k, v in _ENV.items():
         os.environ.setdefault(k, v)
+    # lazy: jax is the optional aot extra and must load after _ENV is set: it reads JAX_PLATFORMS at import
     from jax.experimental import topologies
 
     chip, canonical, _ = chips_mod.parse_topology(name)
@@ -89,6 +89,7 @@ def read_hlo(path: Path) -> bytes:
     ``--xla_dump_hlo_as_proto`` writes: the module as field 1, nothing else) is unwrapped."""
     data = path.read_bytes()
     if data.lstrip()[:9] == b"HloModule":
+        # lazy: jax is the optional aot extra, loaded once build_topology has set _ENV
         from jax._src.lib import _jax
 
         return _jax.hlo_module_from_text(data.decode()).as_serialized_hlo_module_proto()
@@ -101,6 +102,7 @@ def read_hlo(path: Path) -> bytes:
 
 def to_stablehlo(proto: bytes, donors: list[int]) -> bytes:
     """StableHLO bytecode of the module, with ``jax.buffer_donor`` on ``main``'s arguments listed in ``donors``."""
+    # lazy: jax is the optional aot extra, loaded once build_topology has set _ENV
     from jax._src.interpreters import mlir as jmlir
     from jax._src.lib import _jax
     from jax._src.lib.mlir import ir
@@ -125,6 +127,7 @@ def to_stablehlo(proto: bytes, donors: list[int]) -> bytes:
 
 
 def compile_options(devices: list):
+    # lazy: jax is the optional aot extra, loaded once build_topology has set _ENV (numpy for its device array)
     import numpy as np
     from jax._src import compiler
 
@@ -154,6 +157,7 @@ def _cost(exe) -> dict[str, float]:
 def fusion_costs(modules: dict[str, str], devices: list) -> dict[str, float]:
     """The cost analysis's bytes of each module of :func:`~spmd_rfdetr.aot.op_costs.gather_fusions` compiled alone
     for one device of the topology (identical modules once). One that does not compile is left out."""
+    # lazy: jax is the optional aot extra, loaded once build_topology has set _ENV
     from jax._src.lib import _jax
     from jax._src.lib import xla_client as xc
 
@@ -174,6 +178,7 @@ def fusion_costs(modules: dict[str, str], devices: list) -> dict[str, float]:
 
 def compile_program(prog: dict, base: Path, devices: list, chip: chips_mod.Chip, hlo_out: Path | None) -> dict:
     """Compile one ``programs.json`` entry; the result holds the entry's keys plus what the compiler said."""
+    # lazy: jax is the optional aot extra, loaded once build_topology has set _ENV
     from jax._src.lib import xla_client as xc
 
     res: dict[str, Any] = dict(prog)

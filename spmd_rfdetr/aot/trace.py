@@ -61,9 +61,11 @@ def _num_classes(cfg: RunConfig) -> int:
     if cfg.model.num_classes:
         return cfg.model.num_classes
     if (Path(cfg.data.dataset_dir) / "train").is_dir():
+        # lazy: data.splits imports rfdetr, which starts torch_xla: only after trace_programs' setup_runtime
         from spmd_rfdetr.data.splits import num_classes_in
 
         return num_classes_in(cfg.data.dataset_dir)
+    # lazy: model.upstream imports rfdetr, which starts torch_xla: only after trace_programs' setup_runtime
     from spmd_rfdetr.model.upstream import VARIANTS
 
     default = int(VARIANTS[cfg.model.variant].model_fields["num_classes"].default)
@@ -74,9 +76,11 @@ def _num_classes(cfg: RunConfig) -> int:
 
 def trace_programs(cfg: RunConfig, out: Path, train_only: bool = False) -> list[dict[str, Any]]:
     """Trace and lower ``fit``'s programs for ``cfg`` into ``out``; returns the ``programs.json`` entries."""
+    # lazy: aot.check imports this module (config_to_yaml) in the CLI: the runtime (torch) loads only in the trace child
     from spmd_rfdetr.xla.runtime import PRECISIONS, setup_runtime
 
     setup_runtime(cfg.mesh)
+    # lazy: torch_xla (rfdetr's modules import it) must start after setup_runtime chose the device count
     import torch
     import torch_xla.runtime as xr
 
@@ -134,6 +138,7 @@ def step_scopes(trainer: Any) -> list[tuple[str, Any, str]]:
     """Functions of the training step that are not a module's forward and return what they compute, as labels for
     :func:`~spmd_rfdetr.aot.labels.module_labels` (the names :data:`spmd_rfdetr.aot.components.RULES` reads).
     AdamW, the EMA, the LR schedule and the non-finite guard update tensors in place: their source files tell them."""
+    # lazy: called inside trace_programs: torch and model.loss (rfdetr, torch_xla) only after setup_runtime
     import torch
 
     import spmd_rfdetr.model.loss as loss_mod

@@ -310,6 +310,7 @@ def is_segmentation(variant: str) -> bool:
 def variant_defaults(variant: str) -> dict[str, int]:
     """rfdetr's own defaults of ``variant``'s ``patch_size``, ``num_windows``, ``resolution`` and ``num_queries``
     (read from its pydantic model config class; nothing is built)."""
+    # lazy: rfdetr imports torch_xla, which starts on import: the CLI reads these options before choosing the device
     import rfdetr.config
 
     fields = getattr(rfdetr.config, VARIANT_CONFIGS[variant]).model_fields
@@ -323,6 +324,7 @@ AUTO_WEIGHTS = "auto"
 def published_weights(variant: str) -> str:
     """The file name of ``variant``'s published COCO weights, as rfdetr's config class defaults its
     ``pretrain_weights`` (``rf-detr-nano.pth`` ...): what ``model.pretrain_weights: auto`` means."""
+    # lazy: rfdetr imports torch_xla, which starts on import: the CLI reads these options before choosing the device
     import rfdetr.config
 
     return str(getattr(rfdetr.config, VARIANT_CONFIGS[variant]).model_fields["pretrain_weights"].default)

@@ -39,6 +39,7 @@ def _backend() -> str | None:
         return os.environ[TRACED_FOR_ENV]
     if "torch_xla.runtime" not in sys.modules:
         return None
+    # lazy: only once torch_xla.runtime is loaded (checked above): importing it here would start torch_xla
     import torch_xla.runtime as xr
 
     return str(xr.device_type())
@@ -201,6 +202,7 @@ def worker_count(num_workers: int | str) -> int:
 
 def published_names() -> list[str]:
     """The file names of rfdetr's published weights (``rf-detr-nano.pth`` ...)."""
+    # lazy: rfdetr imports torch_xla: the CLI imports this module before the device choice
     from rfdetr.assets.model_weights import ModelWeights
 
     return list(ModelWeights.list_models())
@@ -218,6 +220,7 @@ def fetch_pretrain_weights(model: ModelOptions) -> None:
                    f"from the published {published} (model.pretrain_weights: auto, the default) usually converges "
                    "far faster")
         return
+    # lazy: rfdetr imports torch_xla: the CLI imports this module before the device choice
     from rfdetr.assets.model_weights import ModelWeights, download_pretrain_weights, get_model_cache_dir
     from rfdetr.config import ModelConfig
 
@@ -274,6 +277,7 @@ def eval_every_steps(cfg: RunConfig, train_images: int) -> int:
 def upstream_scales(model: ModelOptions) -> list[int]:
     """rfdetr's per-batch multi-scale sizes for the model: its ``compute_multi_scale_scales`` with its training
     default ``expanded_scales`` (the list its dataset builder reads images at the largest of)."""
+    # lazy: rfdetr imports torch_xla: the CLI imports this module before the device choice
     import rfdetr.config
     from rfdetr.datasets.coco import compute_multi_scale_scales
 

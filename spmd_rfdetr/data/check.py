@@ -173,6 +173,7 @@ def _check_split(report: DataReport, data: SplitData, cfg: RunConfig, layout: st
                  *, train: bool) -> None:
     """One split's images, boxes, labels, overflow and size; ``train``: the split ``fit`` trains on; ``looked``: what
     the image headers said (``None``: images not opened, sizes as the annotations declare them)."""
+    # lazy: data.splits imports rfdetr (torch_xla): the CLI imports this module before the device choice
     from spmd_rfdetr.data.splits import count_overflow
 
     summary, split, d = SplitSummary(data.split, data.readable), data.split, cfg.data
@@ -243,6 +244,7 @@ def _box_findings(box: Any, entry: Entry, size: tuple[int, int] | None, data: Sp
 def _check_folder(report: DataReport, folder: Path, level: str) -> int:
     """``predict``'s image folder: every image readable (``level`` ``annotations``: only listed); returns how many
     images were opened."""
+    # lazy: only predict's image folder check needs data.images (a torch dataset module)
     from spmd_rfdetr.data.images import IMAGE_SUFFIXES
 
     if not folder.is_dir():

@@ -109,6 +109,7 @@ class DataReport:
         skip = self.skipped_images(split)
         if not skip:
             return dataset
+        # lazy: rfdetr imports torch_xla: the CLI imports this module before the device choice
         from rfdetr.datasets import get_coco_api_from_dataset
         from torch.utils.data import Subset
 
@@ -156,6 +157,7 @@ class DataReport:
 
 def _fix(kind: str) -> str:
     if kind == "overflow":
+        # lazy: data.splits imports rfdetr (torch_xla): the CLI imports this module before the device choice
         from spmd_rfdetr.data.splits import OVERFLOW_FIX
 
         return OVERFLOW_FIX

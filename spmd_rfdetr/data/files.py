@@ -80,6 +80,7 @@ def layout_of(root: Path, dataset_format: str) -> str:
         return "coco2017"
     if dataset_format == "yolo":
         return "yolo"
+    # lazy: rfdetr imports torch_xla: the CLI imports this module before the device choice
     from rfdetr.datasets import detect_roboflow_format
 
     return detect_roboflow_format(root)  # ValueError names what it looked for
@@ -100,6 +101,7 @@ def split_inputs(root: Path, layout: str, split: str) -> tuple[list[Path], list[
     """What :func:`read_split` reads of ``split`` besides image contents: ``(annotation files, folders of label files,
     image folders)``; YOLO's label files are those of the label folder, one per image."""
     if layout == "yolo":
+        # lazy: rfdetr imports torch_xla: the CLI imports this module before the device choice
         from rfdetr.datasets.yolo import _resolve_yolo_split_dirs, find_yolo_data_file
 
         data_file = find_yolo_data_file(root, default=root / "data.yaml")
@@ -117,6 +119,7 @@ def split_inputs(root: Path, layout: str, split: str) -> tuple[list[Path], list[
 
 def coco_label_map(data: dict[str, Any]) -> dict[int, int]:
     """rfdetr's ``category_id -> label`` mapping of a parsed, schema-checked COCO file (as ``CocoDetection``'s)."""
+    # lazy: rfdetr imports torch_xla: the CLI imports this module before the device choice
     from rfdetr.datasets.coco import annotated_category_ids, filter_parent_categories
 
     kept = filter_parent_categories(data["categories"], annotated_category_ids(data))
@@ -224,6 +227,7 @@ def _declared_size(image: dict[str, Any]) -> tuple[int, int] | None:
 
 
 def _read_yolo(root: Path, split: str) -> SplitData:
+    # lazy: rfdetr imports torch_xla: the CLI imports this module before the device choice
     from rfdetr.datasets.yolo import (
         _extract_yolo_class_names,
         _list_yolo_image_paths,

@@ -20,6 +20,7 @@ class ImageFolder(Dataset):  # type: ignore[type-arg]
     """
 
     def __init__(self, folder: str | Path, transforms: Any) -> None:
+        # lazy: rfdetr imports torch_xla, which must start after the device choice: this module loads without it
         from rfdetr.datasets.coco import ConvertCoco
 
         self.folder = Path(folder)
@@ -43,6 +44,7 @@ class ImageFolder(Dataset):  # type: ignore[type-arg]
         return len(self.files)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        # lazy: rfdetr imports torch_xla, which must start after the device choice: this module loads without it
         from rfdetr.datasets.io_utils import decode_pil_image
 
         image, _ = decode_pil_image(self.folder / self.files[index])  # full-size decode, as eval splits do
@@ -56,6 +58,7 @@ class ImageFolder(Dataset):  # type: ignore[type-arg]
 
 def eval_transforms(cfgs: Any) -> Any:
     """The val-split transform pipeline rfdetr's dataset readers use for this model (resize + normalize)."""
+    # lazy: rfdetr imports torch_xla, which must start after the device choice: this module loads without it
     from rfdetr.datasets.coco import make_coco_transforms, make_coco_transforms_square_div_64
 
     ns = cfgs.namespace()

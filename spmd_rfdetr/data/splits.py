@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rfdetr.datasets import build_dataset, get_coco_api_from_dataset
+from rfdetr.detr import RFDETR
 from torch.utils.data import Dataset, Subset
 
 from spmd_rfdetr.config.options import DataOptions
@@ -28,8 +29,6 @@ SPLITS = {"train": "train", "valid": "val", "test": "test"}
 
 def num_classes_in(dataset_dir: str) -> int:
     """Class count the way rfdetr's ``train()`` detects it (same category basis as its labels)."""
-    from rfdetr.detr import RFDETR
-
     return RFDETR._detect_num_classes_for_training(dataset_dir)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import Dataset
 
 #: Columns of a packed detection row.
@@ -66,7 +67,7 @@ def detections_to_coco(
 def mask_rles(logits: np.ndarray, size: tuple[int, int]) -> list[dict[str, Any]]:
     """COCO RLEs of mask logits ``[K, h, w]`` at an image's original ``(height, width)``: rfdetr's ``PostProcess``
     (bilinear resize of the logits, then ``> 0``; the same torch op on the CPU) and its ``CocoEvaluator``'s encoding."""
-    import torch
+    # lazy: only the seg variants' masks need pycocotools' RLE codec
     from pycocotools import mask as mask_util
 
     rles = []
@@ -123,6 +124,7 @@ def coco_metrics(coco_gt: Any, results: list[dict[str, Any]], image_ids: Iterabl
     where pycocotools' own summary reads it at 100). ``iou_type="segm"`` scores the results' ``segmentation``, given
     without their ``bbox`` as rfdetr's ``prepare_for_coco_segmentation`` does (pycocotools then takes each
     detection's area from its mask)."""
+    # lazy: scoring only: rfdetr imports torch_xla, and its coco_eval loads cv2 and faster_coco_eval
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
     from rfdetr.evaluation.coco_eval import patched_pycocotools_summarize
@@ -168,6 +170,7 @@ def coco_metrics(coco_gt: Any, results: list[dict[str, Any]], image_ids: Iterabl
 
 
 def _empty_results(gt: Any) -> Any:
+    # lazy: scoring only, as coco_metrics' pycocotools imports
     from pycocotools.coco import COCO
 
     dt = COCO()
@@ -179,6 +182,7 @@ def _empty_results(gt: Any) -> Any:
 
 def label2cat_of(dataset: Dataset[Any]) -> dict[int, int] | None:
     """rfdetr's label index -> COCO category_id mapping of a dataset split (``None``: labels are category ids)."""
+    # lazy: rfdetr imports torch_xla, which must start after the device choice: this module loads without it
     from rfdetr.datasets import get_coco_api_from_dataset
 
     coco = get_coco_api_from_dataset(dataset)
@@ -188,6 +192,7 @@ def label2cat_of(dataset: Dataset[Any]) -> dict[int, int] | None:
 
 def label2cat_for(dataset_dir: str) -> dict[int, int] | None:
     """The train split's label -> category_id mapping of a Roboflow COCO dataset (what training used), if readable."""
+    # lazy: rfdetr imports torch_xla, which must start after the device choice: this module loads without it
     from rfdetr.datasets.coco import _train_split_cat2label
 
     cat2label = _train_split_cat2label(Path(dataset_dir)) if Path(dataset_dir).is_dir() else None

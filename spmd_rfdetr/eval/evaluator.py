@@ -46,6 +46,7 @@ def _traceable_pos_encoding(model: torch.nn.Module) -> Iterator[None]:
     XLA programs with a host round trip between them. The same (undecorated) function is bound on the instances for
     the duration of the call only, so training and eager use are untouched.
     """
+    # lazy: rfdetr imports torch_xla, which must start after the device choice (load_for_inference, setup_runtime)
     from rfdetr.models.backbone.dinov2_with_windowed_attn import WindowedDinov2WithRegistersEmbeddings as Embeddings
 
     plain = inspect.unwrap(Embeddings.interpolate_pos_encoding)
@@ -71,6 +72,7 @@ def refresh_parameter_data(model: torch.nn.Module) -> None:
     execution compiles a second variant of the step's graph (identical IR, different hash), then the next step goes
     back to the first one; with fresh parameter buffers the step after an eval reuses the usual graph.
     """
+    # lazy: torch_xla starts on import: only after the device choice (load_for_inference, setup_runtime)
     import torch_xla
 
     with torch.no_grad():
@@ -101,6 +103,7 @@ class EvalForward:
         num_select: int,
         autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
+        # lazy: rfdetr imports torch_xla, which must start after the device choice
         from rfdetr.models.postprocess import PostProcess
 
         self.model = getattr(model, "_forward_module", model)  # lightning's _FabricModule -> the real module
@@ -110,6 +113,7 @@ class EvalForward:
 
     def _forward(self, images: torch.Tensor, orig_size: torch.Tensor,
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # lazy: data.pixels and model.inputs import rfdetr (torch_xla): after the device choice, as take_rows
         from spmd_rfdetr.data.pixels import normalize_images
         from spmd_rfdetr.xla.mesh import take_rows  # imports torch_xla: inference chooses the device first
         from spmd_rfdetr.model.inputs import as_samples
@@ -147,6 +151,7 @@ class EvalForward:
 
 def reference_postprocess(outputs: dict[str, torch.Tensor], orig_size: torch.Tensor, num_select: int) -> torch.Tensor:
     """Upstream rfdetr's ``PostProcess`` module itself (eager), packed like :class:`EvalForward`'s output."""
+    # lazy: rfdetr imports torch_xla, which must start after the device choice (load_for_inference, setup_runtime)
     from rfdetr.models.postprocess import PostProcess
 
     results = PostProcess(num_select=num_select)(outputs, orig_size)
@@ -264,6 +269,7 @@ class Evaluator:
     def __init__(self, model: torch.nn.Module, dataset: Dataset[Any], *, mesh: Any, global_batch_size: int,
                  resolution: int, num_select: int, autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
                  num_workers: int = 0, max_dets: int = MAX_DETS) -> None:
+        # lazy: rfdetr imports torch_xla, which must start after the device choice
         from rfdetr.datasets import get_coco_api_from_dataset
 
         self.dataset = dataset
@@ -272,6 +278,7 @@ class Evaluator:
         if self.coco_gt is None:
             raise ValueError(f"{type(dataset).__name__} has no COCO ground truth to evaluate against")
         self.label2cat, self.max_dets = label2cat_of(dataset), max_dets
+        # lazy: xla.fabric imports torch_xla and lightning_fabric: after the device choice
         from spmd_rfdetr.xla.fabric import replicate_parameters
 
         self.forward = EvalForward(model, num_select, autocast)
@@ -298,6 +305,7 @@ class Evaluator:
 
 def device_sender(mesh: Any) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """Host batch -> XLA tensors sharded on dim 0 over the mesh's batch axes (the training loader's own transfer)."""
+    # lazy: torch_xla (xla.fabric imports it too) starts on import: after the device choice
     import torch_xla
 
     from spmd_rfdetr.xla.fabric import SPMDDataLoader

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from spmd_rfdetr.config.options import RunConfig
+from spmd_rfdetr.config.resolve import resolve_and_check
 from spmd_rfdetr.data.check import check_data
 from spmd_rfdetr.eval.coco import label2cat_for
 from spmd_rfdetr.xla import hosts
@@ -29,6 +30,7 @@ from spmd_rfdetr.eval.evaluator import (
 from spmd_rfdetr.data.images import ImageFolder, eval_transforms
 from spmd_rfdetr.eval.batches import eval_loader
 from spmd_rfdetr.model.weights import inference_config, read_weights
+from spmd_rfdetr.xla.runtime import PRECISIONS, choose_device, setup_runtime
 
 log = logging.getLogger(__name__)
 
@@ -38,20 +40,19 @@ def load_for_inference(cfg: RunConfig, checkpoint: str) -> tuple[RunConfig, Any,
 
     Returns (the config completed from the checkpoint, fabric, upstream configs, model).
     """
-    from spmd_rfdetr.config.resolve import resolve_and_check
-    from spmd_rfdetr.xla.runtime import PRECISIONS, choose_device, setup_runtime
-
     choose_device(cfg.mesh)  # for callers other than the CLI (which chose before importing this module)
     saved = read_weights(checkpoint)
     cfg = inference_config(cfg, saved)
     if cfg.model.num_queries is not None:  # max_targets only shapes training batches: its query-count check is moot
         cfg.data.max_targets = min(cfg.data.max_targets, cfg.model.num_queries)
     setup_runtime(cfg.mesh)
+    # lazy: torch_xla must start on the device setup_runtime chose
     import torch_xla.runtime as xr
 
     devices = xr.global_runtime_device_count()
     resolve_and_check(cfg, devices)
     log.info("%s on %d %s device(s)", Path(checkpoint).name, devices, xr.device_type())
+    # lazy: these import rfdetr or torch_xla, which must start on the device setup_runtime chose
     from spmd_rfdetr.data.splits import num_classes_in
     from spmd_rfdetr.xla.fabric import spmd_fabric
     from spmd_rfdetr.xla.mesh import build_mesh
@@ -93,6 +94,7 @@ def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
     """
     cfg, fabric, cfgs, net = load_for_inference(cfg, checkpoint)
     check_data(cfg, [], images=images)  # every image of the folder readable, before the eval program compiles
+    # lazy: data.pixels imports rfdetr (torch_xla): after load_for_inference chose the device
     from spmd_rfdetr.data.pixels import uint8_pixels
 
     folder = ImageFolder(images, uint8_pixels(eval_transforms(cfgs)))  # uint8 pixels, as an eval split's

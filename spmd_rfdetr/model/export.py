@@ -33,6 +33,7 @@ class MissingExportDependencies(RuntimeError):
 
 def check_export_dependencies(fmt: str) -> str:
     """rfdetr's canonical name of ``fmt``; raises :class:`MissingExportDependencies` naming the extra to install."""
+    # lazy: rfdetr imports torch_xla: only when exporting, so this module imports without it
     from rfdetr.export.registry import normalize_format, require_entry, resolve_exporter
 
     fmt = normalize_format(fmt)
@@ -48,6 +49,7 @@ def check_export_dependencies(fmt: str) -> str:
 
 
 def _missing(fmt: str, what: str) -> MissingExportDependencies:
+    # lazy: rfdetr imports torch_xla: only when exporting, so this module imports without it
     from rfdetr.export.registry import require_entry
 
     extra = require_entry(fmt).pip_extra or fmt
@@ -61,6 +63,7 @@ def _missing(fmt: str, what: str) -> MissingExportDependencies:
 
 def upstream_model(cfg: RunConfig, saved: SavedWeights) -> Any:
     """rfdetr's high-level model (``RFDETRNano`` ...) for ``cfg``'s architecture, holding ``saved``'s weights."""
+    # lazy: rfdetr imports torch_xla: only when exporting, so this module imports without it (model.upstream too)
     import rfdetr
 
     from spmd_rfdetr.model.upstream import upstream_configs

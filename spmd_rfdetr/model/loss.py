@@ -41,6 +41,7 @@ from torch import Tensor
 
 from spmd_rfdetr.model.inputs import targets_list
 from spmd_rfdetr.model.masks import mask_cost, mask_losses
+from spmd_rfdetr.model.matching import solve_assignment_with_stats
 from spmd_rfdetr.xla.mesh import on_each_shard, put_rows, take_rows
 
 Solver = Literal["device", "scipy"]
@@ -77,8 +78,6 @@ def _scipy_solve(cost: Tensor) -> Tensor:
 
 
 def _solve_and_park(cost: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    from spmd_rfdetr.model.matching import solve_assignment_with_stats
-
     result = solve_assignment_with_stats(cost, valid)
     return park_padding(result.query_of_target, valid, cost.shape[1]), result.converged, result.rounds
 

@@ -72,6 +72,7 @@ def rfdetr_entries(model_config: Any, variant: str, class_names: list[str] | Non
 
 def read_weights(path: str | Path) -> SavedWeights:
     """Load a weight file on the CPU (rfdetr's safe loader: tensors and plain values only) and say what it is."""
+    # lazy: rfdetr imports torch_xla: only when a file is read, so this module (no XLA here) imports without it
     from rfdetr.utilities.io import _safe_torch_load
     from rfdetr.utilities.state_dict import _ckpt_args_get
 
@@ -141,6 +142,7 @@ def _merge_section(ours: Any, saved: dict[str, Any], name: str) -> None:
 
 
 def _from_rfdetr_checkpoint(model: ModelOptions, saved: SavedWeights) -> None:
+    # lazy: rfdetr imports torch_xla: only when a file is read, so this module (no XLA here) imports without it
     from rfdetr.utilities.state_dict import _ckpt_args_get
 
     by_class = {v: k for k, v in RFDETR_CLASSES.items()}

@@ -47,6 +47,7 @@ def process_count() -> int:
     """How many host processes drive the mesh (the joined group's size; else the XLA runtime's process count)."""
     if dist.is_initialized():
         return dist.get_world_size()
+    # lazy: xla.runtime and the CLI import this module before choose_device: torch_xla starts on import
     import torch_xla.runtime as xr
 
     return xr.process_count()
@@ -56,6 +57,7 @@ def process_index() -> int:
     """This host's index, 0 for the coordinator."""
     if dist.is_initialized():
         return dist.get_rank()
+    # lazy: xla.runtime and the CLI import this module before choose_device: torch_xla starts on import
     import torch_xla.runtime as xr
 
     return xr.process_index()
@@ -79,6 +81,7 @@ def batch_share() -> tuple[int, int]:
     the same; a process whose runtime drives the whole mesh (one host, or each XLA CPU process of a test) loads every
     row even when it has joined a group with others.
     """
+    # lazy: xla.runtime and the CLI import this module before choose_device: torch_xla starts on import
     import torch_xla.runtime as xr
 
     return xr.process_index(), xr.process_count()
@@ -117,6 +120,7 @@ def global_row_order(tile_devices: Sequence[int], host_devices: Sequence[Sequenc
 def mesh_row_order(mesh: Any, global_batch_size: int) -> np.ndarray | None:
     """:func:`global_row_order` of a global batch of ``global_batch_size`` sharded on ``mesh``'s batch axes, from
     every host's devices (gathered over gloo). Call it on every host (it is a collective)."""
+    # lazy: torch_xla (xla.mesh imports it) starts on import: xla.runtime and the CLI import this module first
     import torch_xla
 
     from spmd_rfdetr.xla.mesh import BATCH_AXES
@@ -140,6 +144,7 @@ def join_hosts() -> None:
     """Join the gloo group of all host processes (a no-op on one host or when a group already exists)."""
     if dist.is_initialized() or process_count() == 1:
         return
+    # lazy: xla.runtime and the CLI import this module before choose_device: torch_xla starts on import
     import torch_xla.distributed.xla_backend  # noqa: F401  registers the xla:// rendezvous
 
     dist.init_process_group("gloo", init_method="xla://")

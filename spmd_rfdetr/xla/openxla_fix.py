@@ -22,6 +22,7 @@ from spmd_rfdetr.config.resolve import VERIFIED_TORCH_XLA, fix_available
 
 def apply_bridge_fix() -> Callable[[], None]:
     """Patch torch_xla's dynamo bridge (idempotent); returns a function that undoes the patch."""
+    # lazy: torch_xla starts on import: only when openxla training applies the fix, after setup_runtime
     import torch
     import torch_xla
     import torch_xla._dynamo.dynamo_bridge as bridge
@@ -59,6 +60,7 @@ def apply_bridge_fix() -> Callable[[], None]:
 
 def _eager_backward_once() -> None:
     """One tiny eager backward on the XLA device: starts autograd's device thread before a compiled backward."""
+    # lazy: torch_xla starts on import: only from apply_bridge_fix, after setup_runtime
     import torch
     import torch_xla
 

@@ -34,7 +34,9 @@ from typing import Any
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
+from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
 
 from spmd_rfdetr.xla.lowering import Lowered, lower
 
@@ -300,8 +302,6 @@ def _compile(program: Program, inputs: list[torch.Tensor], outputs: list[torch.T
     matched trace mode: a donation hazard of this path on that client, not found yet (identical runs without
     donation differ only by the client's own ulp drift, tests/test_resume.py ``AFTER_RESUME``). ``pytest -m tpu``
     checks a resumed fit bit for bit on the chip, where torch_xla donates as well."""
-    from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
-
     donated = program.donated(inputs) if donates_at_runtime() else []
     for value in donated:
         _X._set_buffer_donation(value, True)
@@ -334,8 +334,6 @@ def replicate_unannotated(tensors: list[torch.Tensor]) -> None:
     Replayed results come back annotated ``{replicated}``; an input left unannotated at the first trace would make the
     second trace differ from it (pytorch/xla#9755 is the same mismatch in the dynamo bridge).
     """
-    import torch_xla.distributed.spmd as xs
-
     mesh = xs.get_global_mesh()
     if mesh is None:
         return

@@ -39,6 +39,7 @@ def setup_runtime(mesh: MeshOptions, compile_cache_dir: str | None = None) -> st
     compilation cache where it works; returns the cache directory (``None``: off)."""
     choose_device(mesh)
     xla_note()  # once: the XLA warnings quiet.configure hid (GSPMD's deprecation notice, at every compile)
+    # lazy: torch_xla starts on import: only after choose_device above (the CLI imports this module first)
     import torch_xla.runtime as xr
 
     if not xr.is_spmd():
@@ -50,6 +51,7 @@ def setup_runtime(mesh: MeshOptions, compile_cache_dir: str | None = None) -> st
 def _compile_cache(cache_dir: str | None, writer: bool) -> str | None:
     """Open the persistent cache (before the first compile); ``writer``: this host writes new entries (host 0 only: on
     a shared directory every host would otherwise write the same entries at once; the others read them)."""
+    # lazy: torch_xla starts on import: called from setup_runtime, after choose_device
     import torch_xla
     import torch_xla.runtime as xr
 

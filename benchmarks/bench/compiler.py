@@ -42,13 +42,14 @@ def graphs_by_step(path: Path, ends: list[int]) -> list[list[tuple[str, str]]]:
     return steps
 
 
-def compile_graphs(step_graphs: list[tuple[str, str]], topology: str, cache: dict[str, dict]) -> dict[str, Any]:
-    """libtpu's figures for one step's graphs, each compiled for one chip of ``topology`` (by hash, once)."""
+def compile_graphs(step_graphs: list[tuple[str, str]], devices: list, chip: Any, cache: dict[str, dict],
+                   ) -> dict[str, Any]:
+    """libtpu's figures for one step's graphs, each compiled for the first of ``devices`` (by hash, once)."""
     from jax._src.lib import _jax
     from jax._src.lib import xla_client as xc
 
     from spmd_rfdetr.aot import tpu_compile
-    devices, chip, _ = tpu_compile.build_topology(topology)
+
     rows = []
     for digest, hlo in step_graphs:
         if digest not in cache:

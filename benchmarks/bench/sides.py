@@ -141,7 +141,6 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
         "resolved_run_config": dataclasses.asdict(cfg),
         "resolved_model_config": json.loads(cfgs.model.model_dump_json()),
         "per_step": records,
-        "graph_offsets": graph_offsets,
     })
     return result
 
@@ -220,6 +219,7 @@ def child_upstream(spec: dict[str, Any]) -> dict[str, Any]:
         "device": info,
         "environment": environment(),
         "per_step": records,
+        "graph_offsets": graph_offsets,
     })
     return result
 

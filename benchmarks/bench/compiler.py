@@ -25,24 +25,26 @@ from typing import Any
 
 from .children import run_child
 
-_GRAPH = re.compile(r"## BEGIN_GRAPH\n(.*?)\n(?:Graph Hash: (\w+)\n)?## END_GRAPH", re.S)
+#: One graph of torch_xla's saved-tensors file (``XLA_SAVE_TENSORS_FMT=hlo``): the Python frames that synced it, its
+#: HLO module and its hash.
+_GRAPH = re.compile(r"TensorsGraphInfo:\n(.*?)\n\s*\n.*?## BEGIN_GRAPH\n(.*?)\n\s*Graph Hash: (\w+)\s*\n## END_GRAPH", re.S)
 
 
-def graphs_by_step(path: Path, ends: list[int]) -> list[list[tuple[str, str]]]:
-    """``(hash, HLO text)`` of each graph in torch_xla's saved-tensors file, grouped by the step whose end offset
-    (the file's size after that step) follows it."""
+def graphs_by_step(path: Path, ends: list[int]) -> list[list[tuple[str, str, str]]]:
+    """``(hash, where it synced, HLO text)`` of each graph in torch_xla's saved-tensors file, grouped by the step
+    whose end offset (the file's size after that step) follows it."""
     text = path.read_bytes()
-    steps: list[list[tuple[str, str]]] = [[] for _ in ends]
+    steps: list[list[tuple[str, str, str]]] = [[] for _ in ends]
     start = 0
     for i, end in enumerate(ends):
         for m in _GRAPH.finditer(text[start:end].decode()):
-            hlo = m.group(1).split("\nGraph Hash:", 1)[0].strip()
-            steps[i].append((m.group(2) or str(hash(hlo)), hlo))
+            frames = [line.strip() for line in m.group(1).splitlines() if line.strip()]
+            steps[i].append((m.group(3), frames[0] if frames else "", m.group(2).strip()))
         start = end
     return steps
 
 
-def compile_graphs(step_graphs: list[tuple[str, str]], devices: list, chip: Any, cache: dict[str, dict],
+def compile_graphs(step_graphs: list[tuple[str, str, str]], devices: list, chip: Any, cache: dict[str, dict],
                    ) -> dict[str, Any]:
     """libtpu's figures for one step's graphs, each compiled for the first of ``devices`` (by hash, once)."""
     from jax._src.lib import _jax
@@ -51,15 +53,15 @@ def compile_graphs(step_graphs: list[tuple[str, str]], devices: list, chip: Any,
     from spmd_rfdetr.aot import tpu_compile
 
     rows = []
-    for digest, hlo in step_graphs:
+    for digest, where, hlo in step_graphs:
         if digest not in cache:
             proto = _jax.hlo_module_from_text(hlo).as_serialized_hlo_module_proto()
             exe = devices[0].client.compile(tpu_compile.to_stablehlo(proto, []), xc.DeviceList((devices[0],)),
                                             tpu_compile.compile_options([devices[0]]))
             cost = tpu_compile._cost(exe)
-            cache[digest] = {"hash": digest, "flops": cost["flops"], "bytes": cost["bytes_accessed"],
-                             "hlo_lines": hlo.count("\n") + 1}
-            print(f"[bench] upstream graph {digest[:12]}: {cost['bytes_accessed'] / 1e9:.2f} GB, "
+            cache[digest] = {"hash": digest, "synced_at": where, "flops": cost["flops"],
+                             "bytes": cost["bytes_accessed"], "hlo_lines": hlo.count("\n") + 1}
+            print(f"[bench] upstream graph {digest[:12]} (synced at {where}): {cost['bytes_accessed'] / 1e9:.2f} GB, "
                   f"{cost['flops'] / 1e9:.1f} GFLOP", file=sys.stderr, flush=True)
         rows.append(cache[digest])
     flops, nbytes = sum(r["flops"] for r in rows), sum(r["bytes"] for r in rows)
@@ -95,7 +97,7 @@ def main_upstream_compiler(cfg: Any, args: argparse.Namespace) -> dict[str, Any]
         "benchmark": "train_step_tpu_compiler",
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "config_file": args.config, "topology": args.tpu_compiler, "images_per_chip": per_chip,
+        "config_file": str(args.config), "topology": args.tpu_compiler, "images_per_chip": per_chip,
         "upstream": {"precision": upstream["precision"], "graphs_per_step": [s["graphs"] for s in steady],
                      "bytes_per_step": [s["bytes"] for s in steady], "flops_per_step": [s["flops"] for s in steady],
                      "bytes_per_image": step["bytes"] / per_chip, "flops_per_image": step["flops"] / per_chip,
@@ -106,7 +108,7 @@ def main_upstream_compiler(cfg: Any, args: argparse.Namespace) -> dict[str, Any]
         report = json.loads(Path(args.ours_report).read_text())
         train = next(p for p in report["programs"] if p["name"].startswith("train"))
         ours_images = train["images_per_device"]
-        out["ours"] = {"report": args.ours_report, "topology": train["topology"],
+        out["ours"] = {"report": str(args.ours_report), "topology": train["topology"],
                        "bytes_per_image": train["bytes_accessed"] / ours_images,
                        "flops_per_image": train["flops"] / ours_images,
                        "roofline_ms_per_image": train["roofline_ms"] / ours_images}

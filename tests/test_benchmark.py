@@ -158,3 +158,40 @@ def test_loader_reports_images_per_sec_per_worker(synth_dir: str, tmp_path: Path
                  "--loader-pipeline", "uint8", "--json", str(json_path)])
     rows = json.loads(json_path.read_text())["rows"]
     assert [(r["source"], r["pipeline"], r["dataset_images"]) for r in rows] == [("96x64 JPEG", "uint8", 64)]
+
+
+SAVED_GRAPHS_CHILD = r"""
+import os, sys, torch, torch_xla
+saved, ends = sys.argv[1] + ".0", []
+x = torch.arange(16.0).view(4, 4).to(torch_xla.device())
+def host_read(t):
+    return (t @ t).sum().item()
+for step in range(3):
+    x = x * host_read(x) / 1e4  # one graph up to the host read, one at the sync
+    torch_xla.sync()
+    ends.append(os.path.getsize(saved))
+print(ends)
+"""
+
+
+@pytest.mark.slow  # a torch_xla child: ~15 s
+def test_upstream_compiler_mode_reads_each_steps_graphs(tmp_path: Path) -> None:
+    """``--tpu-compiler``'s reading of torch_xla's saved-tensors file (every executed graph, cached or not): per
+    step, the graph up to the host read and the one at the sync, with their hashes and where they synced; the HLO
+    text is a module libtpu's parser takes."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench.compiler import graphs_by_step
+    from jax._src.lib import _jax
+
+    saved = tmp_path / "graphs.hlo"
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "XLA_SAVE_TENSORS_FILE": str(saved),
+           "XLA_SAVE_TENSORS_FMT": "hlo"}
+    child = subprocess.run([sys.executable, "-c", SAVED_GRAPHS_CHILD, str(saved)], env=env, capture_output=True,
+                           text=True, timeout=300, check=True)
+    ends = json.loads(child.stdout.strip().splitlines()[-1])
+    steps = graphs_by_step(Path(f"{saved}.0"), ends)
+    assert [len(graphs) for graphs in steps] == [2, 2, 2]
+    assert [[h for h, _, _ in graphs] for graphs in steps[1:]] == [[h for h, _, _ in steps[0]]] * 2  # cached: saved
+    assert steps[0][0][0] != steps[0][1][0] and "host_read" in steps[0][0][1]
+    for _, _, hlo in steps[0]:
+        assert hlo.startswith("HloModule") and _jax.hlo_module_from_text(hlo).as_serialized_hlo_module_proto()

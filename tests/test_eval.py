@@ -125,10 +125,10 @@ def test_padded_split_one_eval_graph_and_upstream_eager_parity(tiny, trained_sta
     np.testing.assert_allclose(ours, ref_stats, atol=1e-4, rtol=0)
     rows = ev.run_detection(evaluator.forward, evaluator.loader, evaluator.to_device).rows
     np.testing.assert_allclose(rows[..., SCORE], ref_rows[..., SCORE], atol=1e-4)
-    assert_same_detections(rows, ref_rows)
+    assert_rows_match_up_to_near_ties(rows, ref_rows)
 
 
-def assert_same_detections(rows: np.ndarray, ref_rows: np.ndarray) -> None:
+def assert_rows_match_up_to_near_ties(rows: np.ndarray, ref_rows: np.ndarray) -> None:
     """Each image's detections (``[images, K, columns]``, best first) equal the reference's, boxes to 1e-2 px (of a
     160 px image), where two detections whose scores agree to 1e-4 may come in either order (top-k of a near tie)."""
     for image, (ours, ref) in enumerate(zip(rows, ref_rows)):

@@ -23,7 +23,7 @@ import torch
 
 #: Above this many positions (all levels) :func:`dense_core_for_xla` leaves the core to rfdetr's sampler (row lookups
 #: on XLA): ``dW`` grows with the map, the lookups do not. v5e, one layer forward + backward at 16 images: 24x24
-#: 5.2 GB vs 14.0 by rows, 32x32 (Small) 8.5 vs 14.5, 44x44 (Large) 14.5 vs 15.5.
+#: 5.2 GB vs 14.0 by rows, 32x32 (Small) 7.8 vs 14.5, 44x44 (Large) 13.9 vs 15.5 (``benchmarks/op_costs.py``).
 DENSE_MAX_POSITIONS = 2048
 
 

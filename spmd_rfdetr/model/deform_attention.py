@@ -9,7 +9,7 @@ TPU compiler builds ``W`` inside the product's own fusion from the corners' indi
 HBM. The backward materialises ``dW = dOut @ V^T`` once (bf16) and picks each corner's gradient from it.
 
 Against row lookups (:mod:`spmd_rfdetr.model.row_lookups`), whose gathers the TPU charges about a memory tile per
-row: v5e.yaml's shapes (16 images, 16 heads, 3,900 queries, 2 points, 24x24), forward + backward, 13.98 -> 5.82 GB
+row: v5e.yaml's shapes (16 images, 16 heads, 3,900 queries, 2 points, 24x24), forward + backward, 13.98 -> 5.18 GB
 per layer (``benchmarks/README.md``). Per-corner zero padding and the coordinates are ``_bilinear_grid_sample``'s;
 the corner weights are summed in the weights' dtype (f32 under autocast) and rounded to the map's dtype once.
 """

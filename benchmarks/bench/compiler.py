@@ -27,7 +27,8 @@ from .children import run_child
 
 #: One graph of torch_xla's saved-tensors file (``XLA_SAVE_TENSORS_FMT=hlo``): the Python frames that synced it, its
 #: HLO module and its hash.
-_GRAPH = re.compile(r"TensorsGraphInfo:\n(.*?)\n\s*\n.*?## BEGIN_GRAPH\n(.*?)\n\s*Graph Hash: (\w+)\s*\n## END_GRAPH", re.S)
+_GRAPH = re.compile(r"TensorsGraphInfo:\n(.*?)\n\s*\n.*?## BEGIN_GRAPH\n(.*?)\n\s*Graph Hash: (\w+)\s*\n"
+                    r"## END_GRAPH", re.S)
 
 
 def graphs_by_step(path: Path, ends: list[int]) -> list[list[tuple[str, str, str]]]:

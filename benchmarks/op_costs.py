@@ -31,16 +31,10 @@ import torch_xla  # noqa: E402
 
 def compile_cost(outputs: list[torch.Tensor], devices: list) -> dict:
     """libtpu's cost and memory figures for the lazy XLA graph that computes ``outputs``."""
-    from jax._src.lib import _jax
-    from jax._src.lib import xla_client as xc
-
     from spmd_rfdetr.aot import tpu_compile
 
-    text = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
-    proto = _jax.hlo_module_from_text(text).as_serialized_hlo_module_proto()
     start = time.time()
-    exe = devices[0].client.compile(tpu_compile.to_stablehlo(proto, []), xc.DeviceList(tuple(devices)),
-                                    tpu_compile.compile_options(devices))
+    exe = tpu_compile.compile_text(torch_xla._XLAC._get_xla_tensors_hlo(outputs), devices)
     cost, memory = tpu_compile._cost(exe), tpu_compile._memory(exe)
     torch_xla._XLAC._xla_sync_multi([], devices=[], wait=False)
     return {"bytes": cost["bytes_accessed"], "flops": cost["flops"], "temp_bytes": memory["temp"],

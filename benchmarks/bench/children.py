@@ -30,8 +30,8 @@ def on_cpu_host() -> bool:
     return not glob.glob("/dev/accel*") and not glob.glob("/dev/vfio/[0-9]*")
 
 
-def child_env(devices: int | None) -> dict[str, str]:
-    env = dict(os.environ)
+def child_env(devices: int | None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, **(extra or {})}
     if FAST_COMPILE:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FAST_COMPILE_FLAGS).strip()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -44,8 +44,9 @@ def child_env(devices: int | None) -> dict[str, str]:
 
 
 def run_child(role: str, spec: dict[str, Any], devices: int | None, timeout: float | None,
-              label: str | None = None) -> dict[str, Any]:
-    """Run one side in a fresh interpreter; its logs go to our stderr, its result comes back as JSON."""
+              label: str | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one side in a fresh interpreter (``env``: variables to add to ours); its logs go to our stderr, its
+    result comes back as JSON."""
     label = label or role
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
@@ -54,7 +55,7 @@ def run_child(role: str, spec: dict[str, Any], devices: int | None, timeout: flo
         print(f"[bench] {label}: starting ({'CPU_NUM_DEVICES=' + str(devices) if on_cpu_host() else 'all devices'})",
               file=sys.stderr, flush=True)
         start = time.perf_counter()
-        proc = subprocess.run(cmd, env=child_env(devices), stdout=sys.stderr, stderr=sys.stderr, timeout=timeout)
+        proc = subprocess.run(cmd, env=child_env(devices, env), stdout=sys.stderr, stderr=sys.stderr, timeout=timeout)
         if proc.returncode != 0 or not out_path.exists():
             raise SystemExit(f"[bench] {label} failed with exit code {proc.returncode} (see the log above)")
         result = json.loads(out_path.read_text())

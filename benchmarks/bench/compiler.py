@@ -16,7 +16,6 @@ import copy
 import dataclasses
 import datetime
 import json
-import os
 import re
 import sys
 import tempfile
@@ -48,18 +47,12 @@ def graphs_by_step(path: Path, ends: list[int]) -> list[list[tuple[str, str, str
 def compile_graphs(step_graphs: list[tuple[str, str, str]], devices: list, chip: Any, cache: dict[str, dict],
                    ) -> dict[str, Any]:
     """libtpu's figures for one step's graphs, each compiled for the first of ``devices`` (by hash, once)."""
-    from jax._src.lib import _jax
-    from jax._src.lib import xla_client as xc
-
     from spmd_rfdetr.aot import tpu_compile
 
     rows = []
     for digest, where, hlo in step_graphs:
         if digest not in cache:
-            proto = _jax.hlo_module_from_text(hlo).as_serialized_hlo_module_proto()
-            exe = devices[0].client.compile(tpu_compile.to_stablehlo(proto, []), xc.DeviceList((devices[0],)),
-                                            tpu_compile.compile_options([devices[0]]))
-            cost = tpu_compile._cost(exe)
+            cost = tpu_compile._cost(tpu_compile.compile_text(hlo, devices))
             cache[digest] = {"hash": digest, "synced_at": where, "flops": cost["flops"],
                              "bytes": cost["bytes_accessed"], "hlo_lines": hlo.count("\n") + 1}
             print(f"[bench] upstream graph {digest[:12]} (synced at {where}): {cost['bytes_accessed'] / 1e9:.2f} GB, "
@@ -79,14 +72,8 @@ def main_upstream_compiler(cfg: Any, args: argparse.Namespace) -> dict[str, Any]
             "count_flops": False, "expect_devices": None, "record_graph_offsets": True}
     with tempfile.TemporaryDirectory() as tmp:
         saved = Path(tmp) / "graphs.hlo"
-        env = {"XLA_SAVE_TENSORS_FILE": str(saved), "XLA_SAVE_TENSORS_FMT": "hlo"}
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            upstream = run_child("upstream", spec, 1, args.child_timeout)
-        finally:
-            for k, v in old.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        upstream = run_child("upstream", spec, 1, args.child_timeout,
+                             env={"XLA_SAVE_TENSORS_FILE": str(saved), "XLA_SAVE_TENSORS_FMT": "hlo"})
         steps = graphs_by_step(Path(f"{saved}.0"), upstream["graph_offsets"])
     from spmd_rfdetr.aot import tpu_compile
 

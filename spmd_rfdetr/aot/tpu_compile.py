@@ -154,21 +154,26 @@ def _cost(exe) -> dict[str, float]:
             "transcendentals": float(c.get("transcendentals", 0.0))}
 
 
-def fusion_costs(modules: dict[str, str], devices: list) -> dict[str, float]:
-    """The cost analysis's bytes of each module of :func:`~spmd_rfdetr.aot.op_costs.gather_fusions` compiled alone
-    for one device of the topology (identical modules once). One that does not compile is left out."""
+def compile_text(text: str, devices: list) -> Any:
+    """An HLO module's text (one device's program, no donated arguments) compiled for the first of ``devices``."""
     # lazy: jax is the optional aot extra, loaded once build_topology has set _ENV
     from jax._src.lib import _jax
     from jax._src.lib import xla_client as xc
 
-    one, seen, out = devices[:1], {}, {}
+    one = devices[:1]
+    proto = _jax.hlo_module_from_text(text).as_serialized_hlo_module_proto()
+    return one[0].client.compile(to_stablehlo(proto, []), xc.DeviceList(tuple(one)), compile_options(one))
+
+
+def fusion_costs(modules: dict[str, str], devices: list) -> dict[str, float]:
+    """The cost analysis's bytes of each module of :func:`~spmd_rfdetr.aot.op_costs.gather_fusions` compiled alone
+    for one device of the topology (identical modules once). One that does not compile is left out."""
+    seen, out = {}, {}
     for name, text in modules.items():
         key = text.replace(name, "fused")
         if key not in seen:
             try:
-                proto = _jax.hlo_module_from_text(text).as_serialized_hlo_module_proto()
-                exe = one[0].client.compile(to_stablehlo(proto, []), xc.DeviceList(tuple(one)), compile_options(one))
-                seen[key] = _cost(exe)["bytes_accessed"]
+                seen[key] = _cost(compile_text(text, devices))["bytes_accessed"]
             except Exception:  # noqa: BLE001 - a spelling the parser does not take: the model prices it
                 seen[key] = None
         if seen[key] is not None:

@@ -93,7 +93,7 @@ def dense_core(value: torch.Tensor, locations: torch.Tensor, attention_weights: 
                shapes: list[tuple[int, int]]) -> torch.Tensor:
     """rfdetr's ``ms_deform_attn_core_pytorch(value [B, heads, C, S], ..., sampling_locations, attention_weights)``
     -> ``[B, Q, heads * C]`` (in ``value``'s dtype) as one product per image and head."""
-    batch, heads, channels, size = value.shape
+    batch, heads, channels, _ = value.shape
     positions, weights = corners(locations, attention_weights, shapes)
     out = _Sample.apply(value.flatten(0, 1), positions, weights)  # [B * heads, Q, C]
     return out.view(batch, heads, -1, channels).transpose(1, 2).flatten(2)

@@ -36,12 +36,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_kind: str = "upstream") -> dict:
+def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_kind: str = "upstream",
+                         states_at: frozenset[int] = frozenset(), steps: int | None = None) -> dict:
     """Upstream's step on ``run``'s batches from ``run``'s initial weights; returns the losses and the EMA file.
     ``perturb``: every initial weight times ``1 + perturb * N(0, 1)`` (a control: how far two runs of the same step
     on the same batches part when they start a rounding error apart). ``criterion_kind="ours"``: our batched
     criterion and device matcher (``StaticSetCriterion``, eagerly on the CPU) instead of rfdetr's ``SetCriterion``:
-    the one part swapped."""
+    the one part swapped. ``states_at``: at these steps, save ``states/step_N.pt`` (the weights the step starts from,
+    its loss and its gradients before clipping: what ``benchmarks/teacher_forced.py`` gives our step). ``steps``: stop
+    after this many steps (no EMA file, no score)."""
     import torch
     from lightning_fabric.utilities.seed import seed_everything
     from rfdetr.training.callbacks.ema import RFDETREMACallback
@@ -80,8 +83,10 @@ def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_k
     ema = AveragedModel(net, use_buffers=True, multi_avg_fn=ema_rule._multi_avg_fn)
     batches = iter(make_train_loader(train_set, d, cfgs.model.resolution, seed=t.seed))
     losses, started = [], time.perf_counter()
-    for step in range(1, t.max_steps + 1):
+    for step in range(1, (steps or t.max_steps) + 1):
         batch = next(batches)
+        if step in states_at:
+            start_weights = {k: v.detach().clone() for k, v in net.state_dict().items()}
         optimizer.zero_grad(set_to_none=True)
         if criterion_kind == "ours":
             loss, _ = forward_loss(net, criterion, batch)
@@ -92,6 +97,11 @@ def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_k
             loss_dict = criterion(net(samples, targets), targets)
             loss = torch.stack([loss_dict[k] * w for k, w in criterion.weight_dict.items() if k in loss_dict]).sum()
         loss.backward()
+        if step in states_at:
+            (out / "states").mkdir(parents=True, exist_ok=True)
+            grads = {name: p.grad.clone() for name, p in net.named_parameters() if p.grad is not None}
+            torch.save({"step": step, "weights": start_weights, "loss": loss.item(), "grads": grads},
+                       out / "states" / f"step_{step}.pt")
         torch.nn.utils.clip_grad_norm_(net.parameters(), o.clip_max_norm)
         optimizer.step()
         schedule.step()
@@ -101,6 +111,8 @@ def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_k
             print(f"step {step}/{t.max_steps} loss {losses[-1]:.4f} ({time.perf_counter() - started:.0f} s)",
                   flush=True)
     out.mkdir(parents=True, exist_ok=True)
+    if steps is not None:
+        return {"losses": losses}
     weights = out / "ema.pth"
     torch.save({"model": ema.module.state_dict()}, weights)
     return {"losses": losses, "weights": str(weights)}
@@ -135,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--perturb", type=float, default=0.0, help="initial weights times 1 + PERTURB * N(0, 1) (control)")
     p.add_argument("--criterion", choices=("upstream", "ours"), default="upstream",
                    help="ours: our batched criterion and device matcher, eagerly on the CPU (the one part swapped)")
+    p.add_argument("--states-at", type=lambda v: frozenset(int(x) for x in v.split(",")), default=frozenset(),
+                   help="comma-separated steps: save each one's start weights, loss and gradients under OUT/states")
+    p.add_argument("--steps", type=int, help="stop after this many steps (no EMA, no score: for --states-at)")
     p.add_argument("--collect", type=Path, help="a dir of finished arms (each --out)")
     p.add_argument("--into", type=Path, help="with --collect: the comparison JSON to add them to")
     args = p.parse_args(argv)
@@ -145,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from spmd_rfdetr.eval.coco import stat_names
 
-    result = train_on_run_batches(args.run, args.out, args.perturb, args.criterion)
+    result = train_on_run_batches(args.run, args.out, args.perturb, args.criterion, args.states_at, args.steps)
+    if args.steps is not None:
+        (args.out / "result.json").write_text(json.dumps({**result, "run": str(args.run)}, indent=1))
+        return 0
     records = [json.loads(line) for line in (args.run / "metrics.jsonl").read_text().splitlines()]
     ours = {r["step"]: r["loss"] for r in records if "loss" in r}
     print(f"step 1 loss: this arm {result['losses'][0]:.6f}, the run's {ours.get(1)}")

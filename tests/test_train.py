@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import types
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,8 @@ def sharding(t: torch.Tensor) -> str:
     return torch_xla._XLAC._get_xla_sharding_spec(t)
 
 
-def upstream_steps(tiny, steps: int, on_xla: bool = False) -> tuple[list[float], list[torch.Tensor]]:
+def upstream_steps(tiny, steps: int, on_xla: bool = False, net: torch.nn.Module | None = None,
+                   first_batch: int = 0) -> tuple[list[float], list[torch.Tensor]]:
     """Upstream rfdetr's own step, from upstream's own pieces only: its model on ``nested_tensor_from_tensor_list``
     samples of its own host float pipeline on the batch's uint8 pixels (``ToDtype`` + ``Normalize``:
     :func:`~spmd_rfdetr.data.pixels.upstream_float`; a float32 batch is taken as that input already), its SetCriterion
@@ -32,18 +35,20 @@ def upstream_steps(tiny, steps: int, on_xla: bool = False) -> tuple[list[float],
     groups, clipping. On the CPU (eager torch, plain AdamW as rfdetr trains), or ``on_xla``: on the XLA device, traced
     lazily by torch_xla (graphs cut where upstream's matcher reads the costs on the host) with AdamW ``capturable``
     (step count on the device), the numerics our compiled step uses. (torch_xla's eager mode, which ran it op by op
-    until 2026-11-30, segfaults at random under SPMD: in the forward or in AdamW, about 1 run in 4.)"""
+    until 2026-11-30, segfaults at random under SPMD: in the forward or in AdamW, about 1 run in 4.) ``net``: train
+    this CPU model (in place) instead of a fresh one at the initial weights; ``first_batch``: the index of step 1's
+    batch."""
     from rfdetr.utilities.tensors import nested_tensor_from_tensor_list, pad_targets_to_fixed_count
 
     from spmd_rfdetr.data.pixels import upstream_float
 
     device = torch_xla.device() if on_xla else torch.device("cpu")
-    net = tiny.model().to(device)
+    net = (tiny.model() if net is None else net).to(device)
     criterion = build_upstream_criterion(tiny.cfgs)[0].train().to(device)
     optimizer = build_optimizer(net, tiny.cfgs, on_device=on_xla)
     losses, first_grads = [], []
     for i in range(steps):
-        batch = tiny.batches[i % len(tiny.batches)]
+        batch = tiny.batches[(first_batch + i) % len(tiny.batches)]
         targets = [{"labels": labels[keep], "boxes": boxes[keep]}
                    for labels, boxes, keep in zip(batch["labels"], batch["boxes"], batch["valid"])]
         if on_xla:
@@ -149,6 +154,43 @@ def test_parity_with_upstream_eager_step(tiny, first_steps, xla_child):
         assert abs(ours - xla_ref) <= 1e-5 * abs(xla_ref), (step, losses, same_device)
     print(f"parity: losses ours {losses} upstream {ref_losses} upstream on XLA {same_device}; step-1 grad rel L2 "
           f"{float(diff / norm):.3g}")
+
+
+#: Upstream's own steps, at TRAINED_LR_SCALE times the tiny config's LR, that move the tiny model away from its
+#: initial weights before our step is compared with upstream's from there
+#: (:func:`test_our_step_equals_upstreams_from_weights_upstream_trained`).
+TRAINED_STEPS, TRAINED_LR_SCALE = 15, 20
+
+
+@pytest.mark.slow
+def test_our_step_equals_upstreams_from_weights_upstream_trained(tiny, mesh_trainer):
+    """Issue 33's check, where the parity test stops: two correct runs part after a few steps (rounding reorders
+    near-tied proposals, see ``parity_tolerance``), so later steps of two runs cannot be compared, but one step from
+    the same weights can. Upstream's own eager step trains the tiny model for TRAINED_STEPS steps; from those weights,
+    on the next batch, our compiled step (a fresh trainer on the session's programs: no compile) gives upstream's loss
+    and clipped gradients within step 1's bounds. ``benchmarks/teacher_forced.py`` does the same along a real run
+    (Nano, seed 7, through its unstable phase: loss <= 2.4e-7, gradient direction <= 1.1e-5 at every point)."""
+    from spmd_rfdetr.training.build import build_trainer
+
+    train = tiny.cfgs.train
+    fast = dataclasses.replace(tiny.cfgs, train=train.model_copy(update={
+        "lr": train.lr * TRAINED_LR_SCALE, "lr_encoder": train.lr_encoder * TRAINED_LR_SCALE}))
+    trained = tiny.model()
+    upstream_steps(types.SimpleNamespace(cfg=tiny.cfg, cfgs=fast, batches=tiny.batches), TRAINED_STEPS, net=trained)
+    batch = TRAINED_STEPS % len(tiny.batches)
+    ref_losses, ref_grads = upstream_steps(tiny, 1, net=copy.deepcopy(trained), first_batch=batch)
+    init_loss = upstream_steps(tiny, 1, first_batch=batch)[0][0]
+    trainer = build_trainer(mesh_trainer.fabric, tiny.cfgs, tiny.cfg.optim, tiny.cfg.trainer,
+                            model=copy.deepcopy(trained), ema=tiny.cfg.model)
+    stats = trainer.step.read(trainer.step(mesh_trainer.to_device(tiny.batches[batch])))
+    grads = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in trainer.model.parameters()]
+    diff = torch.sqrt(sum(((g - r) ** 2).sum() for g, r in zip(grads, ref_grads)))
+    norm = torch.sqrt(sum((r**2).sum() for r in ref_grads))
+    print(f"from upstream-trained weights (this batch's loss at the initial weights {init_loss:.4f}): loss ours "
+          f"{stats['loss']} upstream {ref_losses[0]}; gradient rel L2 {float(diff / norm):.3g}")
+    assert abs(ref_losses[0] - init_loss) >= 0.05 * init_loss, (ref_losses[0], init_loss)  # not the initial weights
+    assert abs(stats["loss"] - ref_losses[0]) <= 1e-5 * abs(ref_losses[0]), (stats["loss"], ref_losses[0])
+    assert diff / norm <= 1e-4, f"gradient relative L2 error {float(diff / norm):.3g}"
 
 
 @pytest.mark.slow

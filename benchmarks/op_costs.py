@@ -7,9 +7,15 @@ backend, its HLO compiled for one chip of ``--topology``.
 
     python benchmarks/op_costs.py --json benchmarks/results/op-costs-deform-attention-v5e-2026-12-04.json
 
-Ops: ``deform`` (deformable attention's core: rfdetr's own, with our row lookups, against
+Ops (``--op``): ``deform`` (deformable attention's core: rfdetr's own, with our row lookups, against
 :mod:`spmd_rfdetr.model.deform_attention`) at v5e.yaml's shapes (16 images, 16 heads of 16 channels, 13 x 300
-queries, 2 points) on the maps of Nano (24x24), Small (32x32) and Large (44x44).
+queries, 2 points) on the maps of Nano (24x24), Small (32x32) and Large (44x44); ``attention`` (bf16 attention at
+Nano's per-chip shapes on v5e.yaml: the decoder's self-attention ``[16 x 13, 8, 300, 32]``, DINOv2's windowed
+``[16 x 4, 6, 145, 64]`` and global ``[16, 6, 580, 64]`` blocks): PyTorch's ``scaled_dot_product_attention``, ours
+(:mod:`spmd_rfdetr.model.attention`) and torch_xla's Pallas flash attention (:func:`flash_padded`; not used by the
+step yet: measured here to decide whether to).
+
+    python benchmarks/op_costs.py --op attention --json benchmarks/results/op-costs-attention-v5e-2026-12-04.json
 """
 
 from __future__ import annotations
@@ -71,16 +77,97 @@ def deform_cases() -> list[tuple[str, dict, Callable[[], tuple[Callable, list[to
     return cases
 
 
+def _lower_pallas_for_tpu() -> None:
+    """torch_xla's Pallas kernels traced in a process without a TPU (as ``aot`` traces). torch_xla lowers a kernel
+    with JAX's default backend, here the CPU, which refuses Mosaic kernels: lower it for the TPU instead. JAX 0.7.1
+    writes Mosaic IR version 8 unless it sees an older TPU runtime; libtpu 0.0.21 (torch_xla 2.9's) reads up to 7.
+    Block sizes of 128: torch_xla's defaults (512, ``block_k_dq`` 256) need sequence lengths they divide."""
+    import jax
+    import jax._src.tpu_custom_call as tpu_custom_call
+    from torch_xla.experimental import custom_kernel
+
+    def trace_pallas(kernel, *args, static_argnums=None, static_argnames=None, use_cache=False, **kwargs):
+        import jax._src.pallas.mosaic.pallas_call_registration  # noqa: F401  (registers the Mosaic lowering)
+
+        specs = [custom_kernel.to_jax_shape_dtype_struct(a) if torch.is_tensor(a) else a for a in args]
+        traced = jax.jit(kernel, static_argnums=static_argnums, static_argnames=static_argnames).trace(*specs, **kwargs)
+        ir = traced.lower(lowering_platforms=("tpu",)).compiler_ir()
+        return custom_kernel._extract_backend_config(ir), [a for a in args if torch.is_tensor(a)]
+
+    custom_kernel.trace_pallas = trace_pallas
+    tpu_custom_call.get_ir_version = lambda ctx: 7
+    custom_kernel.FlashAttention.DEFAULT_BLOCK_SIZES = {
+        key: 2 if key == "block_b" else 128 for key in custom_kernel.FlashAttention.DEFAULT_BLOCK_SIZES}
+
+
+def flash_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: Callable | None = None) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(d)) v`` for ``[B, H, L, d]`` through a flash-attention kernel that needs ``L`` a multiple
+    of 128: ``L`` is zero-padded and the padded keys are masked by one more head-dimension column (1 in ``q``, 0 in a
+    real key, a large negative number in a padded one: their scores underflow to probability 0). Padded queries'
+    outputs are sliced off, so their zero gradients add nothing to ``k`` and ``v``. ``kernel(q, k, v, sm_scale)``:
+    torch_xla's Pallas ``flash_attention`` unless given (the CPU check passes the plain formula)."""
+    if kernel is None:
+        from torch_xla.experimental.custom_kernel import flash_attention
+
+        kernel = lambda q, k, v, scale: flash_attention(q, k, v, sm_scale=scale)  # noqa: E731
+    length, dim = q.shape[-2], q.shape[-1]
+    pad = -length % 128
+    scale = dim**-0.5
+    column = torch.zeros(*k.shape[:-2], length + pad, 1, dtype=k.dtype, device=k.device)
+    column[..., length:, :] = -3e4  # x scale: far below any real score, and finite in bf16
+
+    def padded(t: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.pad(t, (0, 0, 0, pad)), last], dim=-1)
+
+    out = kernel(padded(q, torch.ones_like(column)), padded(k, column), padded(v, torch.zeros_like(column)), scale)
+    return out[..., :length, :dim]
+
+
+def _check_flash_padding() -> None:
+    """:func:`flash_padded` around the plain formula equals the formula on the unpadded tensors (CPU, float64)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 45, 8, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
+
+    def plain(q, k, v, scale):
+        return torch.softmax(q @ k.transpose(-1, -2) * scale, -1) @ v
+
+    got, want = flash_padded(q, k, v, plain), plain(q, k, v, 8**-0.5)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    wants = torch.autograd.grad(want.square().sum(), (q, k, v))
+    assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip((got, *grads), (want, *wants)))
+
+
+def attention_cases() -> list[tuple[str, dict, Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]]]:
+    from spmd_rfdetr.model.attention import attention
+
+    _lower_pallas_for_tpu()
+    variants = {"pytorch sdpa": torch.nn.functional.scaled_dot_product_attention, "ours": attention,
+                "pallas flash (padded to 128)": flash_padded}
+    cases = []
+    for block, shape in (("decoder self-attention", (16 * 13, 8, 300, 32)),
+                         ("DINOv2 windowed", (16 * 4, 6, 145, 64)), ("DINOv2 global", (16, 6, 580, 64))):
+        for variant, fn in variants.items():
+            def make(fn=fn, shape=shape):
+                g = torch.Generator().manual_seed(0)
+                inputs = [torch.randn(*shape, generator=g).to(torch.bfloat16).to(torch_xla.device()).requires_grad_()
+                          for _ in range(3)]
+                return fn(*inputs), inputs
+            cases.append((f"{block} {variant}", {"op": "attention", "block": block, "shape": list(shape),
+                                                  "variant": variant}, make))
+    return cases
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--topology", default="v5e:1x1", help="compile for one chip of this topology")
+    ap.add_argument("--op", choices=("deform", "attention"), default="deform")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
     from spmd_rfdetr.aot import tpu_compile
 
     devices, _, _ = tpu_compile.build_topology(args.topology)
     rows = []
-    for name, labels, make in deform_cases():
+    for name, labels, make in (deform_cases() if args.op == "deform" else attention_cases()):
         out, inputs = make()
         forward = compile_cost([out], devices)
         grads = torch.autograd.grad(out.float().square().sum(), inputs)
@@ -88,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({**labels, "forward": forward, "forward_backward": both})
         print(f"{name:34s} forward {forward['bytes'] / 1e9:6.2f} GB   forward+backward {both['bytes'] / 1e9:6.2f} GB"
               f"  {both['flops'] / 1e9:6.1f} GFLOP", flush=True)
+    if args.op == "attention":
+        _check_flash_padding()  # on the CPU, after the XLA graphs: a CPU backward first broke XLA's (autograd engine)
     if args.json:
         args.json.write_text(json.dumps({"topology": args.topology, "versions": tpu_compile.versions(),
                                          "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1) + "\n")

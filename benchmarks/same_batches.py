@@ -25,6 +25,7 @@ final scores (``runs.same_batches``), its mean/std/min/max (``summary.same_batch
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import sys
@@ -37,14 +38,18 @@ if str(ROOT) not in sys.path:
 
 
 def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_kind: str = "upstream",
-                         states_at: frozenset[int] = frozenset(), steps: int | None = None) -> dict:
+                         states_at: frozenset[int] = frozenset(), steps: int | None = None,
+                         on_xla: bool = False) -> dict:
     """Upstream's step on ``run``'s batches from ``run``'s initial weights; returns the losses and the EMA file.
     ``perturb``: every initial weight times ``1 + perturb * N(0, 1)`` (a control: how far two runs of the same step
     on the same batches part when they start a rounding error apart). ``criterion_kind="ours"``: our batched
     criterion and device matcher (``StaticSetCriterion``, eagerly on the CPU) instead of rfdetr's ``SetCriterion``:
-    the one part swapped. ``states_at``: at these steps, save ``states/step_N.pt`` (the weights the step starts from,
-    its loss and its gradients before clipping: what ``benchmarks/teacher_forced.py`` gives our step). ``steps``: stop
-    after this many steps (no EMA file, no score)."""
+    the one part swapped. ``states_at``: at these steps, save ``states/step_N.pt`` (the weights and AdamW state the
+    step starts from, its loss, its gradients before clipping and the weights after its update: what
+    ``benchmarks/teacher_forced.py`` gives our step). ``steps``: stop after this many steps (no EMA file, no score).
+    ``on_xla``: the same upstream step on one XLA CPU device (lazy tracing, graphs cut where upstream's matcher reads
+    the costs; capturable AdamW with the LR factor as device tensors, :class:`DeviceLRSchedule`, since a float LR
+    changing per step would compile a graph per step; the EMA on a CPU copy): upstream's code with XLA's rounding."""
     import torch
     from lightning_fabric.utilities.seed import seed_everything
     from rfdetr.training.callbacks.ema import RFDETREMACallback
@@ -76,17 +81,30 @@ def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_k
         from spmd_rfdetr.training.step import forward_loss
 
         criterion = build_criterion(criterion, solver="device").train()
-    optimizer = build_optimizer(net, cfgs)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, functools.partial(lr_factor, optim=o, max_steps=t.max_steps))
     ema_rule = RFDETREMACallback(decay=cfg.model.ema_decay, tau=cfg.model.ema_tau)
     ema = AveragedModel(net, use_buffers=True, multi_avg_fn=ema_rule._multi_avg_fn)
+    if on_xla:
+        import torch_xla
+        from rfdetr.utilities.tensors import pad_targets_to_fixed_count
+
+        from spmd_rfdetr.training.optim import DeviceLRSchedule
+
+        live, device = copy.deepcopy(net), torch_xla.device()  # live: the CPU copy the EMA averages
+        net, criterion = net.to(device), criterion.to(device)
+        optimizer = build_optimizer(net, cfgs, on_device=True)
+        schedule = DeviceLRSchedule(optimizer, o, t.max_steps)
+    else:
+        device, live = torch.device("cpu"), net
+        optimizer = build_optimizer(net, cfgs)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, functools.partial(lr_factor, optim=o, max_steps=t.max_steps))
     batches = iter(make_train_loader(train_set, d, cfgs.model.resolution, seed=t.seed))
     losses, started = [], time.perf_counter()
     for step in range(1, (steps or t.max_steps) + 1):
         batch = next(batches)
         if step in states_at:
-            start_weights = {k: v.detach().clone() for k, v in net.state_dict().items()}
+            start = {"weights": {k: v.detach().clone() for k, v in net.state_dict().items()},
+                     "optimizer": copy.deepcopy(optimizer.state_dict())}
         optimizer.zero_grad(set_to_none=True)
         if criterion_kind == "ours":
             loss, _ = forward_loss(net, criterion, batch)
@@ -94,18 +112,29 @@ def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_k
             targets = [{"labels": labels[keep], "boxes": boxes[keep]}
                        for labels, boxes, keep in zip(batch["labels"], batch["boxes"], batch["valid"])]
             samples = nested_tensor_from_tensor_list(list(upstream_float(batch["images"])))
+            if on_xla:  # upstream's own XLA path pads the targets
+                targets = [{k: v.to(device) for k, v in target.items()}
+                           for target in pad_targets_to_fixed_count(targets, batch["labels"].shape[1])]
+                samples = samples.to(device)
             loss_dict = criterion(net(samples, targets), targets)
             loss = torch.stack([loss_dict[k] * w for k, w in criterion.weight_dict.items() if k in loss_dict]).sum()
         loss.backward()
         if step in states_at:
-            (out / "states").mkdir(parents=True, exist_ok=True)
-            grads = {name: p.grad.clone() for name, p in net.named_parameters() if p.grad is not None}
-            torch.save({"step": step, "weights": start_weights, "loss": loss.item(), "grads": grads},
-                       out / "states" / f"step_{step}.pt")
+            start.update(step=step, loss=loss.item(),
+                         grads={name: p.grad.clone() for name, p in net.named_parameters() if p.grad is not None})
+        if on_xla:
+            torch_xla.sync()  # one graph for the loss and gradients
         torch.nn.utils.clip_grad_norm_(net.parameters(), o.clip_max_norm)
         optimizer.step()
+        if step in states_at:
+            (out / "states").mkdir(parents=True, exist_ok=True)
+            start["after"] = {k: v.detach().clone() for k, v in net.state_dict().items()}
+            torch.save(start, out / "states" / f"step_{step}.pt")
         schedule.step()
-        ema.update_parameters(net)
+        if on_xla:
+            torch_xla.sync()
+            live.load_state_dict({k: v.cpu() for k, v in net.state_dict().items()})
+        ema.update_parameters(live)
         losses.append(loss.item())
         if step % 10 == 0 or step == 1:
             print(f"step {step}/{t.max_steps} loss {losses[-1]:.4f} ({time.perf_counter() - started:.0f} s)",
@@ -150,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--states-at", type=lambda v: frozenset(int(x) for x in v.split(",")), default=frozenset(),
                    help="comma-separated steps: save each one's start weights, loss and gradients under OUT/states")
     p.add_argument("--steps", type=int, help="stop after this many steps (no EMA, no score: for --states-at)")
+    p.add_argument("--xla", action="store_true", help="upstream's step on one XLA CPU device (XLA's rounding)")
     p.add_argument("--collect", type=Path, help="a dir of finished arms (each --out)")
     p.add_argument("--into", type=Path, help="with --collect: the comparison JSON to add them to")
     args = p.parse_args(argv)
@@ -160,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from spmd_rfdetr.eval.coco import stat_names
 
-    result = train_on_run_batches(args.run, args.out, args.perturb, args.criterion, args.states_at, args.steps)
+    result = train_on_run_batches(args.run, args.out, args.perturb, args.criterion, args.states_at, args.steps,
+                                  args.xla)
     if args.steps is not None:
         (args.out / "result.json").write_text(json.dumps({**result, "run": str(args.run)}, indent=1))
         return 0

@@ -6,8 +6,8 @@ unstable phase. This separates the two. ``benchmarks/same_batches.py --states-at
 (eager CPU) on a ``fit`` run's batches and saves, at chosen steps, the weights the step starts from, its loss and its
 gradients before clipping. Here each saved step is run again through our training step as ``fit`` builds it (the
 4-device XLA CPU mesh, the compiled step, our criterion and device matcher, the XLA-safe model ops) from those same
-weights on the same batch, and the two are compared: the loss, the gradient norm and the gradients' relative L2
-error. A cause in our step shows as an error far above step 1's (``tests/test_train.py`` bounds step 1's at 1e-4) at
+weights and AdamW state on the same batch, and the two are compared: the loss, the gradient norm, the gradients'
+relative L2 error and the update's (the weights after minus before). A cause in our step shows as an error far above step 1's (``tests/test_train.py`` bounds step 1's at 1e-4) at
 some point of the run; rounding alone keeps every point near step 1's.
 
     python benchmarks/same_batches.py --run RUN --out ARM --states-at 1,10,20,30 --steps 30
@@ -21,18 +21,19 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def compare(run: Path, states: list[Path]) -> list[dict]:
+def compare(run: Path, states: list[Path], step_mode: str = "trace") -> list[dict]:
     """Our step from each saved state's weights on its step's batch, against the saved eager loss and gradients."""
     from spmd_rfdetr.cli import run_config
     from spmd_rfdetr.xla.runtime import setup_runtime
 
-    cfg = run_config(["--config", str(run / "config.yaml"), "--trainer.step_mode", "trace", "--data.num_workers", "0"])
+    cfg = run_config(["--config", str(run / "config.yaml"), "--trainer.step_mode", step_mode, "--data.num_workers", "0"])
     setup_runtime(cfg.mesh, None)
     # lazy: torch_xla starts on the device setup_runtime chose
     import torch
@@ -64,6 +65,8 @@ def compare(run: Path, states: list[Path]) -> list[dict]:
         state = torch.load(path, weights_only=False)
         step = state["step"]
         net.load_state_dict(state["weights"])
+        if "optimizer" in state:
+            _load_optimizer(trainer, state["optimizer"], step, cfg)
         loader = fabric.setup_dataloaders(make_train_loader(train_set, d, cfgs.model.resolution, seed=t.seed,
                                                             start_step=step - 1, host=hosts.batch_share()))
         stats = trainer.step.read(trainer.step(next(iter(loader))))
@@ -82,21 +85,46 @@ def compare(run: Path, states: list[Path]) -> list[dict]:
                "grad_norm_ours": stats["grad_norm"], "grad_norm_upstream": ref_norm,
                "grad_direction_rel_l2": err, "params_compared": len(shared), "params_only_upstream": len(ref) - len(shared),
                "worst_param": worst}
+        if "after" in state:  # the update: ours (weights after - before) against upstream's AdamW step's
+            after = {n: p.detach().cpu().double() for n, p in net.named_parameters()}
+            before = {n: v.double() for n, v in state["weights"].items()}
+            ours_update = {n: after[n] - before[n] for n in after}
+            ref_update = {n: state["after"][n].double() - before[n] for n in after}
+            ref_size = float(torch.sqrt(sum((u**2).sum() for u in ref_update.values())))
+            row["update_rel_l2"] = float(torch.sqrt(sum(((ours_update[n] - ref_update[n]) ** 2).sum()
+                                                        for n in after))) / ref_size
+            row["update_size"] = ref_size
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def _load_optimizer(trainer: Any, saved: dict, step: int, cfg: Any) -> None:
+    """Upstream's AdamW state before ``step`` into our capturable AdamW, and our device LR schedule at ``step``."""
+    from spmd_rfdetr.training.optim import lr_factor
+
+    rates = [group["lr"] for group in trainer.optimizer.param_groups]  # device tensors: load_state_dict copies them
+    # upstream's moments and step counts; our groups' settings (capturable: the step count stays on the device)
+    trainer.optimizer.load_state_dict({"state": saved["state"],
+                                       "param_groups": trainer.optimizer.state_dict()["param_groups"]})
+    factor = lr_factor(step - 1, cfg.optim, cfg.trainer.max_steps)
+    for group, rate, base in zip(trainer.optimizer.param_groups, rates, trainer.schedule.base_lrs, strict=True):
+        group["lr"] = rate
+        rate.fill_(base * factor)
+    trainer.schedule.step_count.fill_(step - 1)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", type=Path, required=True, help="the fit run whose batches the states were trained on")
     p.add_argument("--states", type=Path, required=True, help="same_batches.py's OUT/states")
+    p.add_argument("--step-mode", default="trace", help="the step's trainer.step_mode (fit's default: replay)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     os.environ.setdefault("CPU_NUM_DEVICES", "4")
     states = sorted(args.states.glob("step_*.pt"), key=lambda f: int(f.stem.split("_")[1]))
-    rows = compare(args.run, states)
+    rows = compare(args.run, states, args.step_mode)
     if args.json:
         args.json.write_text(json.dumps({"run": str(args.run), "states": str(args.states), "rows": rows}, indent=1))
     return 0

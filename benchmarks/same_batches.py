@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:
 
 def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_kind: str = "upstream",
                          states_at: frozenset[int] = frozenset(), steps: int | None = None,
-                         on_xla: bool = False) -> dict:
+                         on_xla: bool = False, flush_denormal: bool = False) -> dict:
     """Upstream's step on ``run``'s batches from ``run``'s initial weights; returns the losses and the EMA file.
     ``perturb``: every initial weight times ``1 + perturb * N(0, 1)`` (a control: how far two runs of the same step
     on the same batches part when they start a rounding error apart). ``criterion_kind="ours"``: our batched
@@ -49,7 +49,9 @@ def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_k
     ``benchmarks/teacher_forced.py`` gives our step). ``steps``: stop after this many steps (no EMA file, no score).
     ``on_xla``: the same upstream step on one XLA CPU device (lazy tracing, graphs cut where upstream's matcher reads
     the costs; capturable AdamW with the LR factor as device tensors, :class:`DeviceLRSchedule`, since a float LR
-    changing per step would compile a graph per step; the EMA on a CPU copy): upstream's code with XLA's rounding."""
+    changing per step would compile a graph per step; the EMA on a CPU copy): upstream's code with XLA's rounding.
+    ``flush_denormal``: eager CPU arithmetic flushes denormal floats to zero (``torch.set_flush_denormal``), as XLA's
+    CPU backend does."""
     import torch
     from lightning_fabric.utilities.seed import seed_everything
     from rfdetr.training.callbacks.ema import RFDETREMACallback
@@ -65,6 +67,8 @@ def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_k
 
     cfg = run_config(["--config", str(run / "config.yaml")])
     d, o, t = cfg.data, cfg.optim, cfg.trainer
+    if flush_denormal and not torch.set_flush_denormal(True):
+        raise RuntimeError("this CPU cannot flush denormals")
     seed_everything(t.seed)  # as fit: Fabric's seed_everything, then the split, then the model
     cfgs = upstream_configs(cfg.model, d, o, cfg.model.num_classes or num_classes_in(d.dataset_dir),
                             cfg.eval.num_select)
@@ -180,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated steps: save each one's start weights, loss and gradients under OUT/states")
     p.add_argument("--steps", type=int, help="stop after this many steps (no EMA, no score: for --states-at)")
     p.add_argument("--xla", action="store_true", help="upstream's step on one XLA CPU device (XLA's rounding)")
+    p.add_argument("--flush-denormal", action="store_true", help="eager CPU flushes denormals to zero (as XLA's does)")
     p.add_argument("--collect", type=Path, help="a dir of finished arms (each --out)")
     p.add_argument("--into", type=Path, help="with --collect: the comparison JSON to add them to")
     args = p.parse_args(argv)
@@ -191,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     from spmd_rfdetr.eval.coco import stat_names
 
     result = train_on_run_batches(args.run, args.out, args.perturb, args.criterion, args.states_at, args.steps,
-                                  args.xla)
+                                  args.xla, args.flush_denormal)
     if args.steps is not None:
         (args.out / "result.json").write_text(json.dumps({**result, "run": str(args.run)}, indent=1))
         return 0

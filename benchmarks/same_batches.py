@@ -88,6 +88,7 @@ def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_k
     ema_rule = RFDETREMACallback(decay=cfg.model.ema_decay, tau=cfg.model.ema_tau)
     ema = AveragedModel(net, use_buffers=True, multi_avg_fn=ema_rule._multi_avg_fn)
     if on_xla:
+        # lazy: only this arm may load torch_xla (the eager arms run in a process without it)
         import torch_xla
         from rfdetr.utilities.tensors import pad_targets_to_fixed_count
 

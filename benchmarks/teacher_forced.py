@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -33,33 +34,27 @@ def compare(run: Path, states: list[Path], step_mode: str = "trace") -> list[dic
     from spmd_rfdetr.cli import run_config
     from spmd_rfdetr.xla.runtime import setup_runtime
 
-    cfg = run_config(["--config", str(run / "config.yaml"), "--trainer.step_mode", step_mode, "--data.num_workers", "0"])
-    setup_runtime(cfg.mesh, None)
-    # lazy: torch_xla starts on the device setup_runtime chose
+    with tempfile.TemporaryDirectory(prefix="teacher_forced_") as scratch:  # fit's start-up writes config.yaml there
+        cfg = run_config(["--config", str(run / "config.yaml"), "--trainer.step_mode", step_mode,
+                          "--data.num_workers", "0", "--trainer.output_dir", scratch])
+        setup_runtime(cfg.mesh, None)
+        # lazy: torch_xla starts on the device setup_runtime chose
+        from spmd_rfdetr.training import setup
+
+        return _compare(setup.prepare(cfg), states)
+
+
+def _compare(run: Any, states: list[Path]) -> list[dict]:
+    """:func:`compare` once fit's start-up (``run``: :class:`~spmd_rfdetr.training.setup.Run`) has run."""
     import torch
 
-    from spmd_rfdetr.config.resolve import resolve_and_check
     from spmd_rfdetr.data.batches import make_train_loader
-    from spmd_rfdetr.data.splits import build_split, num_classes_in
-    from spmd_rfdetr.model.upstream import upstream_configs
     from spmd_rfdetr.training.build import build_trainer, unwrap
     from spmd_rfdetr.xla import hosts
-    from spmd_rfdetr.xla.fabric import spmd_fabric
-    from spmd_rfdetr.xla.mesh import build_mesh
-    from spmd_rfdetr.xla.runtime import PRECISIONS
 
-    import torch_xla.runtime as xr
-
-    resolve_and_check(cfg, xr.global_runtime_device_count())
-    d, t = cfg.data, cfg.trainer
-    fabric = spmd_fabric(build_mesh(cfg.mesh.data, cfg.mesh.fsdp), precision=PRECISIONS[t.precision])
-    fabric.seed_everything(t.seed)
-    cfgs = upstream_configs(cfg.model, d, cfg.optim, cfg.model.num_classes or num_classes_in(d.dataset_dir),
-                            cfg.eval.num_select)
-    train_set = build_split(cfgs, "train")
-    trainer = build_trainer(fabric, cfgs.without_weights(), cfg.optim, t, ema=None, mesh=cfg.mesh)
+    cfg, d, t = run.cfg, run.cfg.data, run.cfg.trainer
+    trainer = build_trainer(run.fabric, run.cfgs.without_weights(), cfg.optim, t, ema=None, mesh=cfg.mesh)
     net = unwrap(trainer.model)
-    names = [name for name, _ in net.named_parameters()]
     rows = []
     for path in states:
         state = torch.load(path, weights_only=False)
@@ -67,36 +62,43 @@ def compare(run: Path, states: list[Path], step_mode: str = "trace") -> list[dic
         net.load_state_dict(state["weights"])
         if "optimizer" in state:
             _load_optimizer(trainer, state["optimizer"], step, cfg)
-        loader = fabric.setup_dataloaders(make_train_loader(train_set, d, cfgs.model.resolution, seed=t.seed,
-                                                            start_step=step - 1, host=hosts.batch_share()))
+        loader = run.fabric.setup_dataloaders(make_train_loader(run.train_set, d, run.cfgs.model.resolution,
+                                                                seed=t.seed, start_step=step - 1,
+                                                                host=hosts.batch_share()))
         stats = trainer.step.read(trainer.step(next(iter(loader))))
-        ours = {name: p.grad.cpu() for name, p in zip(names, net.parameters()) if p.grad is not None}
-        ref = state["grads"]
-        shared = [n for n in names if n in ours and n in ref]
-        ref_norm = float(torch.sqrt(sum((ref[n].double() ** 2).sum() for n in shared)))
-        ours_norm = float(torch.sqrt(sum((ours[n].double() ** 2).sum() for n in shared)))
         # ours are clipped in place (clip_grad_norm_): compare directions, and the norms from the step's grad_norm
-        err = float(torch.sqrt(sum(((ours[n].double() / ours_norm - ref[n].double() / ref_norm) ** 2).sum()
-                                   for n in shared)))
-        worst = max(shared, key=lambda n: float((ours[n].double() / ours_norm - ref[n].double() / ref_norm).norm()
-                                                / max(float(ref[n].double().norm() / ref_norm), 1e-12)))
+        grads = {n: p.grad.cpu() for n, p in net.named_parameters() if p.grad is not None}
+        shared = [n for n in grads if n in state["grads"]]
+        ours, ref = _unit({n: grads[n] for n in shared}), _unit({n: state["grads"][n] for n in shared})
+        err = _norm(ours[n] - ref[n] for n in shared)
+        worst = max(shared, key=lambda n: float((ours[n] - ref[n]).norm() / max(float(ref[n].norm()), 1e-12)))
         row = {"step": step, "loss_ours": stats["loss"], "loss_upstream": state["loss"],
                "loss_rel_error": abs(stats["loss"] - state["loss"]) / abs(state["loss"]),
-               "grad_norm_ours": stats["grad_norm"], "grad_norm_upstream": ref_norm,
-               "grad_direction_rel_l2": err, "params_compared": len(shared), "params_only_upstream": len(ref) - len(shared),
-               "worst_param": worst}
+               "grad_norm_ours": stats["grad_norm"], "grad_norm_upstream": _norm(state["grads"][n] for n in shared),
+               "grad_direction_rel_l2": err, "params_compared": len(shared),
+               "params_only_upstream": len(state["grads"]) - len(shared), "worst_param": worst}
         if "after" in state:  # the update: ours (weights after - before) against upstream's AdamW step's
-            after = {n: p.detach().cpu().double() for n, p in net.named_parameters()}
-            before = {n: v.double() for n, v in state["weights"].items()}
-            ours_update = {n: after[n] - before[n] for n in after}
-            ref_update = {n: state["after"][n].double() - before[n] for n in after}
-            ref_size = float(torch.sqrt(sum((u**2).sum() for u in ref_update.values())))
-            row["update_rel_l2"] = float(torch.sqrt(sum(((ours_update[n] - ref_update[n]) ** 2).sum()
-                                                        for n in after))) / ref_size
+            before = state["weights"]
+            differences = [p.detach().cpu().double() - state["after"][n].double() for n, p in net.named_parameters()]
+            ref_size = _norm(state["after"][n].double() - before[n].double() for n, _ in net.named_parameters())
+            row["update_rel_l2"] = _norm(differences) / ref_size
             row["update_size"] = ref_size
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def _norm(tensors: Any) -> float:
+    """The L2 norm of several tensors together, in float64."""
+    import torch
+
+    return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors)))
+
+
+def _unit(grads: dict[str, Any]) -> dict[str, Any]:
+    """``grads`` (float64) divided by their joint L2 norm."""
+    norm = _norm(grads.values())
+    return {n: g.double() / norm for n, g in grads.items()}
 
 
 def _load_optimizer(trainer: Any, saved: dict, step: int, cfg: Any) -> None:

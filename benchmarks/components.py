@@ -18,19 +18,21 @@ import re
 import sys
 from pathlib import Path
 
-from spmd_rfdetr.aot.components import bytes_by_component, format_table
+from spmd_rfdetr.aot.components import bytes_by_component, format_table, hbm_share
 from spmd_rfdetr.aot.op_costs import gather_fusions
 from spmd_rfdetr.aot.tpu_compile import build_topology, fusion_costs
 
 
 def markdown(name: str, table: dict, images: int) -> str:
     lines = [f"**{name}** ({images} images per chip; sum {table['total_bytes'] / 1e9:.1f} GB, the compiler's "
-             f"{table['compiler_bytes'] / 1e9:.1f} GB: {table['vs_compiler']:+.1%})", "",
-             "| component | GB / step / chip | share | bytes / image | matmul GFLOP / step / chip |",
-             "|---|---|---|---|---|"]
+             f"{table['compiler_bytes'] / 1e9:.1f} GB: {table['vs_compiler']:+.1%}; HBM "
+             f"{table['total_hbm_bytes'] / 1e9:.1f} GB)", "",
+             "| component | GB / step / chip | share | bytes / image | HBM GB / step / chip "
+             "| matmul GFLOP / step / chip |",
+             "|---|---|---|---|---|---|"]
     for r in table["components"]:
         lines.append(f"| {r['component']} | {r['bytes'] / 1e9:.2f} | {r['share']:.1%} | {r['bytes_per_image']:.3g} | "
-                     f"{r['matmul_flops'] / 1e9:,.1f} |")
+                     f"{r['hbm_bytes'] / 1e9:.2f} | {r['matmul_flops'] / 1e9:,.1f} |")
     return "\n".join(lines)
 
 
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="the verb's report to add bytes_by_component to")
     ap.add_argument("--markdown", action="store_true", help="print markdown tables")
     a = ap.parse_args(argv)
-    devices, _, _ = build_topology(a.topology)
+    devices, chip, _ = build_topology(a.topology)
     tables = {}
     for r in json.loads((a.work / "results.json").read_text())["results"]:
         if not r.get("compiled"):
@@ -56,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         report = json.loads(a.json.read_text())
         for p in report["programs"]:
             if p["name"] in tables:
-                p["bytes_by_component"] = tables[p["name"]]
+                p["bytes_by_component"] = table = tables[p["name"]]
+                p["hbm_bytes_accessed"] = hbm_share(table) * p["bytes_accessed"]
+                p["roofline_hbm_ms"] = round(max(p["flops"] / chip.device_flops,
+                                                 p["hbm_bytes_accessed"] / chip.device_bandwidth) * 1e3, 4)
         a.json.write_text(json.dumps(report, indent=1))
     return 0
 

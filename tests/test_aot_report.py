@@ -371,17 +371,21 @@ ENTRY %main.1_spmd (param.0: bf16[16,64], param.1: bf16[64,32], param.2: f32[8,3
 }}
 """
 
-#: Bytes per component, by hand from the rules of spmd_rfdetr.aot.components.
+#: Bytes per component, by hand from the rules of spmd_rfdetr.aot.components: arrays at their tiled sizes
+#: (``f32[8,32]{1,0:T(8,128)}`` is 8 x 128 x 4 bytes, ``bf16[64,32]`` 64 x 128 x 2).
 GATHER = 10 * (4096 + 512)  # 10 rows of 16 f32, each within one (8,128) f32 tile of 4 KiB, + 512 bytes a slice
 STEP_BYTES = {
-    "DINOv2 backbone": 2048 + 4096 + 1024,  # the matmul fusion: operands and output, logical
-    "decoder self-attention (backward)": 1024 + 1024,  # no metadata of its own: its root's (a labelled backward op)
-    "backward (unattributed)": 1024 + 1024,  # a *_backward op without a label or a source line
-    "AdamW": 1024 + 1024 + 3 * 1024,  # adam.py's add, and the prefetch (copy-start) that feeds it (inherited)
-    "deformable cross-attention: sampler": 8 * 128 * 4 + 256 * 4,  # a reshape: tiled operand and result
-    "criterion: class": 2 * 256 + GATHER,  # the slice-start feeding the gather (inherited), the gather fusion
-    "matcher: solver": 3 * 1600 + 3 * 4 + 4 + 4 + 1,  # the While body (multiply, add) and condition (compare)
+    "DINOv2 backbone": 4096 + 16384 + 4096,  # the matmul fusion: operands and output
+    "decoder self-attention (backward)": 4096 + 4096,  # no metadata of its own: its root's (a labelled backward op)
+    "backward (unattributed)": 4096 + 4096,  # a *_backward op without a label or a source line
+    "AdamW": 3 * 4096 + 2 * 4096,  # adam.py's add, and the prefetch (copy-start) that feeds it (inherited)
+    "deformable cross-attention: sampler": 4096 + 256 * 4,  # a reshape: operand and result
+    "criterion: class": 2 * 4096 + GATHER,  # the slice-start feeding the gather (inherited), the gather fusion
+    "matcher: solver": 3 * 2048 + 3 * 4 + 4 + 4 + 1,  # the While body (multiply, add) and condition (compare)
 }
+#: Their HBM part: AdamW's prefetch reads 4 KiB of HBM into VMEM (S(1)) and its add reads that copy twice on chip
+#: and writes 4 KiB to HBM.
+ADAM_HBM_BYTES = 4096 + 4096
 
 
 def test_bytes_by_component_attributes_and_sums() -> None:
@@ -395,6 +399,8 @@ def test_bytes_by_component_attributes_and_sums() -> None:
     rows = {r["component"]: r for r in table["components"]}
     assert rows["DINOv2 backbone"]["matmul_flops"] == 2 * 16 * 32 * 64 and table["matmul_flops"] == 2 * 16 * 32 * 64
     assert rows["AdamW"]["bytes_per_image"] == STEP_BYTES["AdamW"] / 2
+    assert rows["AdamW"]["hbm_bytes"] == ADAM_HBM_BYTES and rows["DINOv2 backbone"]["hbm_bytes"] == rows[
+        "DINOv2 backbone"]["bytes"]  # nothing of the matmul's is on chip
     assert abs(sum(r["share"] for r in table["components"]) - 1) < 1e-3
     assert [r["bytes"] for r in table["components"]] == sorted(STEP_BYTES.values(), reverse=True)
     # the While loop: per iteration, apart, and counted once in the total (as the compiler counts it)
@@ -413,7 +419,7 @@ def test_gather_fusion_priced_by_the_compiler() -> None:
     assert list(modules) == ["fused_rows"]
     assert "ENTRY fused_rows" in modules["fused_rows"] and "T(8,128)" not in modules["fused_rows"]
     table = bytes_by_component(STEP, fusion_bytes={"fused_rows": 123456})
-    assert {r["component"]: r["bytes"] for r in table["components"]}["criterion: class"] == 2 * 256 + 123456
+    assert {r["component"]: r["bytes"] for r in table["components"]}["criterion: class"] == 2 * 4096 + 123456
 
 
 @pytest.mark.parametrize("key, component", [

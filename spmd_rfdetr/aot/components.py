@@ -4,13 +4,14 @@ Pure Python (no jax, no torch), like :mod:`spmd_rfdetr.aot.hlo_report`; :func:`b
 JSON-ready table ``tpu_compile`` stores for each program under ``bytes_by_component``.
 
 **What is counted.** Every *top-level* instruction (of ENTRY, of While bodies and conditions, of conditional branches
-and ``call`` targets; never one inside a fusion) is charged the HBM bytes the TPU's cost analysis charges it, as far
-as its text shows them (libtpu 0.0.21; each rule checked on one-op programs compiled alone):
+and ``call`` targets; never one inside a fusion) is charged the bytes the TPU's cost analysis charges it, as far as
+its text shows them (libtpu 0.0.21; each rule checked on one-op programs compiled alone):
 
-- an ordinary op or a fusion: its operands and its outputs at their logical size (elements x element size; an
-  ``add`` of ``f32[8192,16]`` costs 3 x 512 KiB, not the 128-lane tiles it occupies);
-- ``reshape``: its operand and result at their *tiled* size (``f32[8192,16]{1,0:T(8,128)}`` is 8192 x 128 x 4
-  bytes): on a TPU it rewrites whole tiles;
+- an ordinary op or a fusion: its operands and its outputs at their tiled sizes, as the compiled layout pads them
+  (``f32[384,145,145]{0,2,1:T(8,128)}`` is 384 x 152 x 145 x 4 bytes; ``f32[8192,16]{0,1:T(8,128)}`` needs no
+  padding). Element-wise ops, a matmul, an attention score block and a reshape compiled alone cost exactly that;
+  a reduction fusion that reads its input in several passes costs more (a softmax alone: 1.5x), which the text
+  does not show;
 - ``slice``/``dynamic-slice``/``slice-start``: twice the slice (it reads only what it returns),
   ``dynamic-update-slice`` twice the update (in place); an async ``*-start``: its operands and its result, not the
   operand alias its tuple carries; ``*-done``, parameters, constants, tuples, get-tuple-elements, bitcasts: nothing;
@@ -26,6 +27,11 @@ v5e:2x4: within 10% for the training step and the eval). FLOPs are counted for `
 (fused ones too, charged to their fusion) from their shapes and windows (a batched matmul that XLA writes as a
 convolution over a dilated window counts the pairs that read real input); the compiler's total also counts
 element-wise ops (``matmul_share_of_compiler_flops``).
+
+**HBM traffic.** The cost analysis counts accesses to on-chip memory too (a prefetch into VMEM, its reads, tensors
+that live in VMEM between fusions); each row's ``hbm_bytes`` (and ``total_hbm_bytes``) is the part of its bytes
+on HBM's side, read from the memory spaces in the compiled layouts (:func:`~spmd_rfdetr.aot.op_costs.hbm_bytes`).
+That is the traffic HBM bandwidth limits; v5e.yaml's training step: about half of the compiler's count.
 
 **Attribution.** Each instruction's metadata is read as one string, ``"<op_name>|<source file>:<line>"``: torch_xla
 writes the innermost Python frame of every op with ``XLA_HLO_DEBUG=1`` (the ``aot`` verb sets it when it traces),
@@ -50,7 +56,7 @@ import re
 from dataclasses import dataclass
 
 from spmd_rfdetr.aot.hlo_report import CONTROL_FLOW, Computation, Instr, Module, _reach, parse_module
-from spmd_rfdetr.aot.op_costs import fused_flops, gather_bytes, instruction_bytes, matmul_flops
+from spmd_rfdetr.aot.op_costs import fused_flops, gather_bytes, hbm_bytes, instruction_bytes, matmul_flops
 
 
 #: (component, pattern) pairs, first match wins; the pattern is searched (``re.search``) in
@@ -100,6 +106,7 @@ class Charge:
     bytes: float
     flops: float
     loop: str | None  # the While instruction whose body holds it (innermost), or None
+    hbm: float = 0.0  # the HBM part of ``bytes`` (op_costs.hbm_bytes)
 
 
 def metadata_key(ins: Instr, mod: Module) -> str:
@@ -207,7 +214,8 @@ def charges(mod: Module, rules: list[tuple[str, str]] | None = None,
             elif ins.opcode == "gather":
                 nbytes += gather_bytes(mod, Computation("", False, [ins], comp.shapes))
             if nbytes or flops:
-                out.append(Charge(attribute(keys[ins.name], rules), nbytes, flops, loop_of.get(name)))
+                out.append(Charge(attribute(keys[ins.name], rules), nbytes, flops, loop_of.get(name),
+                                  hbm_bytes(ins, comp, nbytes)))
     return out
 
 
@@ -225,8 +233,9 @@ def bytes_by_component(text: str, compiler_bytes: float | None = None, compiler_
     table: dict[str, dict[str, float]] = {}
     loops: dict[str, dict] = {}
     for c in charges(mod, rules, fusion_bytes):
-        row = table.setdefault(c.component, {"bytes": 0.0, "flops": 0.0, "in_loops_bytes": 0.0})
+        row = table.setdefault(c.component, {"bytes": 0.0, "flops": 0.0, "in_loops_bytes": 0.0, "hbm": 0.0})
         row["bytes"] += c.bytes
+        row["hbm"] += c.hbm
         row["flops"] += c.flops
         if c.loop is not None:
             row["in_loops_bytes"] += c.bytes
@@ -239,15 +248,18 @@ def bytes_by_component(text: str, compiler_bytes: float | None = None, compiler_
     rows = []
     for component, r in sorted(table.items(), key=lambda kv: -kv[1]["bytes"]):
         row = {"component": component, "bytes": round(r["bytes"]), "share": round(r["bytes"] / total_bytes, 4)
-               if total_bytes else 0.0, "matmul_flops": round(r["flops"]), "in_loops_bytes": round(r["in_loops_bytes"])}
+               if total_bytes else 0.0, "matmul_flops": round(r["flops"]), "in_loops_bytes": round(r["in_loops_bytes"]),
+               "hbm_bytes": round(r["hbm"])}
         if images:
             row["bytes_per_image"] = round(r["bytes"] / images)
+            row["hbm_bytes_per_image"] = round(r["hbm"] / images)
         rows.append(row)
     for lp in loops.values():
         lp["components"] = {k: round(v) for k, v in sorted(lp["components"].items(), key=lambda kv: -kv[1])}
         lp["bytes_per_iteration"] = round(lp["bytes_per_iteration"])
         lp["flops_per_iteration"] = round(lp["flops_per_iteration"])
-    out = {"components": rows, "total_bytes": round(total_bytes), "matmul_flops": round(total_flops),
+    out = {"components": rows, "total_bytes": round(total_bytes),
+           "total_hbm_bytes": round(sum(r["hbm"] for r in table.values())), "matmul_flops": round(total_flops),
            "loops": loops, "gather_fusions_priced_alone": len(fusion_bytes or {})}
     if compiler_bytes:
         out["compiler_bytes"] = compiler_bytes
@@ -257,16 +269,24 @@ def bytes_by_component(text: str, compiler_bytes: float | None = None, compiler_
     return out
 
 
+def hbm_share(table: dict) -> float:
+    """The HBM part of a :func:`bytes_by_component` table's bytes (1.0 for an empty one): times the compiler's
+    ``bytes accessed``, its count of HBM traffic, which the pricing rules' error does not shift."""
+    return table["total_hbm_bytes"] / table["total_bytes"] if table["total_bytes"] else 1.0
+
+
 def format_table(name: str, table: dict, out_lines: list[str] | None = None) -> str:
     """The table as text: component, GB per step (per device), share, bytes per image, matmul GFLOP."""
     lines = out_lines if out_lines is not None else []
-    head = ["component", "GB/step", "share", "bytes/image", "GFLOP (matmul)", "in loops GB"]
+    head = ["component", "GB/step", "share", "bytes/image", "HBM GB", "GFLOP (matmul)", "in loops GB"]
     rows = [head]
     for r in table["components"]:
         rows.append([r["component"], f"{r['bytes'] / 1e9:.3f}", f"{r['share']:.1%}",
                      f"{r['bytes_per_image']:.3g}" if "bytes_per_image" in r else "-",
-                     f"{r['matmul_flops'] / 1e9:.1f}", f"{r['in_loops_bytes'] / 1e9:.3f}"])
-    rows.append(["total", f"{table['total_bytes'] / 1e9:.3f}", "100%", "", f"{table['matmul_flops'] / 1e9:.1f}", ""])
+                     f"{r.get('hbm_bytes', 0) / 1e9:.3f}", f"{r['matmul_flops'] / 1e9:.1f}",
+                     f"{r['in_loops_bytes'] / 1e9:.3f}"])
+    rows.append(["total", f"{table['total_bytes'] / 1e9:.3f}", "100%", "",
+                 f"{table.get('total_hbm_bytes', 0) / 1e9:.3f}", f"{table['matmul_flops'] / 1e9:.1f}", ""])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines.append(f"{name}: bytes by component (per device per step, a While body once)")
     for row in rows:

@@ -8,8 +8,18 @@ from dataclasses import dataclass
 
 import torch
 import torch_xla
+import torch_xla.core.xla_model as xm
 
 _X = torch_xla._XLAC
+
+
+def as_computed(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, kept in the dtype its op computes (an optimization barrier) on the lazy XLA path: XLA otherwise folds
+    a following upcast into the op (a bf16 matmul then writes float32, twice the bytes). Other devices and dynamo's
+    trace: unchanged."""
+    if tensor.device.type == "xla" and not torch.compiler.is_compiling():
+        xm.optimization_barrier_([tensor])
+    return tensor
 
 
 @dataclass

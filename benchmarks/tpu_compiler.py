@@ -26,11 +26,13 @@ RUNS = [("v5e.yaml", "v5e:1x1"), ("v5e.yaml", "v5e:2x4"), ("v6e.yaml", "v6e:2x4"
 GiB = 2**30
 
 
-def run(recipe: str, topology: str, out: Path, max_batch: bool) -> dict:
-    report = out / f"{Path(recipe).stem}-{topology.replace(':', '-')}.json"
+def run(recipe: str, topology: str, out: Path, max_batch: bool, keep: Path | None = None) -> dict:
+    name = f"{Path(recipe).stem}-{topology.replace(':', '-')}"
+    report = out / f"{name}.json"
     command = [sys.executable, "-m", "spmd_rfdetr", "aot", "--config", str(ROOT / "configs" / recipe),
                "--topology", topology, "--model.num_classes", "90", "--json", str(report)]
-    subprocess.run(command + (["--max-batch"] if max_batch else []), cwd=ROOT, check=False)
+    command += (["--max-batch"] if max_batch else []) + (["--keep", str(keep / name)] if keep else [])
+    subprocess.run(command, cwd=ROOT, check=False)
     return {"recipe": recipe, **json.loads(report.read_text())}
 
 
@@ -48,8 +50,8 @@ def largest(report: dict, train: dict, headroom: float = 0.1) -> str:
 
 def table(reports: list[dict]) -> str:
     head = ("| recipe | topology | program | fits | HBM per chip used / capacity | batch per chip | largest with 10% "
-            "free | GFLOP / step / chip | GB accessed / step / chip | roofline ms / step | collectives (body / loops) "
-            "| bf16 matmuls | compile s |")
+            "free | GFLOP / step / chip | GB accessed / step / chip (of it HBM) | roofline ms / step (on HBM bytes) | "
+            "collectives (body / loops) | bf16 matmuls | compile s |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for report in reports:
         for p in report["programs"]:
@@ -62,11 +64,13 @@ def table(reports: list[dict]) -> str:
             c = p["collectives"]
             matmuls = p.get("matmuls", {})
             share = f"{matmuls.get('bf16', 0)}/{sum(matmuls.values())}" if matmuls else "-"
+            hbm = f" ({p['hbm_bytes_accessed'] / 1e9:,.1f})" if "hbm_bytes_accessed" in p else ""
+            hbm_ms = f" ({p['roofline_hbm_ms']:.0f})" if "roofline_hbm_ms" in p else ""
             rows.append(
                 f"| `{report['recipe']}` | {report['topology']} | {p['name']} | yes | {p['memory']['peak'] / GiB:.2f} / "
                 f"{p['hbm_bytes'] / GiB:.2f} GiB ({p['hbm_free_fraction']:.0%} free) | {p['images_per_device']} | "
                 f"{largest(report, p) if p['kind'] == 'train' else ''} | {p['flops'] / 1e9:,.0f} | "
-                f"{p['bytes_accessed'] / 1e9:,.1f} | {p['roofline_ms']:.0f} ({p['bound']}) | "
+                f"{p['bytes_accessed'] / 1e9:,.1f}{hbm} | {p['roofline_ms']:.0f} ({p['bound']}){hbm_ms} | "
                 f"{sum(c['body'].values())} / {sum(c['in_loops'].values())} | {share} | {p['compile_s']:.0f} |")
     return "\n".join(rows)
 
@@ -76,6 +80,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="combined JSON (default benchmarks/results/...)")
     parser.add_argument("--max-batch", action="store_true", help="also search the largest batch (slow)")
     parser.add_argument("--from", dest="sources", nargs="*", help="RECIPE=REPORT.json pairs to tabulate instead")
+    parser.add_argument("--keep", type=Path, default=None, help="keep each compile's work directory under this one "
+                        "(for benchmarks/components.py)")
     args = parser.parse_args()
     today = datetime.date.today().isoformat()
     out = args.out or ROOT / "benchmarks" / "results" / f"tpu-compiler-{today}.json"
@@ -85,7 +91,7 @@ def main() -> None:
     else:
         work = out.parent / f"tpu-compiler-{today}"
         work.mkdir(parents=True, exist_ok=True)
-        reports = [run(recipe, topology, work, args.max_batch) for recipe, topology in RUNS]
+        reports = [run(recipe, topology, work, args.max_batch, args.keep) for recipe, topology in RUNS]
     out.write_text(json.dumps({"date": today, "reports": reports}, indent=1))
     print(table(reports))
 

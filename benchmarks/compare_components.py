@@ -1,6 +1,9 @@
-"""Two ``aot`` reports of the same recipe, component by component: a markdown table and a PNG of HBM bytes per step.
+"""Two ``aot`` reports of the same recipe, component by component: a markdown table and a PNG of bytes per step.
 
-    python benchmarks/compare_components.py BEFORE.json AFTER.json --png OUT.png [--program train_step]
+    python benchmarks/compare_components.py BEFORE.json AFTER.json --png OUT.png [--program train_step] [--hbm]
+
+``--hbm``: the HBM part of each component's bytes and ``hbm_bytes_accessed`` (the cost analysis counts on-chip
+memory too: ``spmd_rfdetr/aot/components.py``) instead of all of them.
 
 Each report must carry ``bytes_by_component`` (``aot`` writes it; ``benchmarks/components.py`` adds it to an older
 report from its kept compile).
@@ -13,10 +16,10 @@ import json
 from pathlib import Path
 
 
-def components(report: Path, program: str) -> tuple[dict, dict[str, float]]:
-    """(the program's entry, its bytes per step by component)."""
+def components(report: Path, program: str, key: str = "bytes") -> tuple[dict, dict[str, float]]:
+    """(the program's entry, its bytes per step by component; ``key`` ``hbm_bytes``: their HBM part)."""
     entry = next(p for p in json.loads(report.read_text())["programs"] if p["name"].startswith(program))
-    return entry, {c["component"]: c["bytes"] for c in entry["bytes_by_component"]["components"]}
+    return entry, {c["component"]: c[key] for c in entry["bytes_by_component"]["components"]}
 
 
 def main() -> None:
@@ -26,8 +29,11 @@ def main() -> None:
     parser.add_argument("--program", default="train_step", help="program name prefix (train_step, eval)")
     parser.add_argument("--png", type=Path)
     parser.add_argument("--min-gb", type=float, default=1.0, help="components under this in both go to 'the rest'")
+    parser.add_argument("--hbm", action="store_true", help="the HBM part of the bytes (reports with hbm_bytes)")
     args = parser.parse_args()
-    (old_entry, old), (new_entry, new) = components(args.before, args.program), components(args.after, args.program)
+    key, total = ("hbm_bytes", "hbm_bytes_accessed") if args.hbm else ("bytes", "bytes_accessed")
+    (old_entry, old), (new_entry, new) = (components(args.before, args.program, key),
+                                          components(args.after, args.program, key))
     images = new_entry["images_per_device"]
     names = sorted(set(old) | set(new), key=lambda n: -max(old.get(n, 0.0), new.get(n, 0.0)))
     shown = [n for n in names if max(old.get(n, 0.0), new.get(n, 0.0)) >= args.min_gb * 1e9]
@@ -38,8 +44,9 @@ def main() -> None:
     print("|---|---|---|---|")
     for name, a, b in rows:
         print(f"| {name} | {a / 1e9:.2f} | {b / 1e9:.2f} | {b / a if a else float('nan'):.2f} |")
-    a, b = old_entry["bytes_accessed"], new_entry["bytes_accessed"]
-    print(f"| **compiler's bytes accessed** | **{a / 1e9:.1f}** ({a / images:.3g} / image) | **{b / 1e9:.1f}** "
+    a, b = old_entry[total], new_entry[total]
+    what = "HBM part of the compiler's bytes accessed" if args.hbm else "compiler's bytes accessed"
+    print(f"| **{what}** | **{a / 1e9:.1f}** ({a / images:.3g} / image) | **{b / 1e9:.1f}** "
           f"({b / images:.3g} / image) | {b / a:.2f} |")
     if args.png:
         import matplotlib
@@ -53,7 +60,8 @@ def main() -> None:
         ax.barh([y - 0.2 for y in ys], [r[2] / 1e9 for r in rows], height=0.4, label=f"after ({b / 1e9:.0f} GB)")
         ax.set_yticks(list(ys), [r[0] for r in rows], fontsize=8)
         ax.invert_yaxis()
-        ax.set_xlabel("HBM bytes per step per chip, GB (libtpu cost analysis)")
+        ax.set_xlabel("HBM part of the bytes accessed per step per chip, GB" if args.hbm else
+                      "bytes accessed per step per chip, GB (libtpu's cost analysis: HBM and on-chip memory)")
         ax.set_title(f"{new_entry['name']} on {new_entry['topology']}, {images} images per chip")
         ax.legend()
         fig.tight_layout()

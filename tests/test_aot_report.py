@@ -405,7 +405,8 @@ def test_bytes_by_component_attributes_and_sums() -> None:
     assert [r["bytes"] for r in table["components"]] == sorted(STEP_BYTES.values(), reverse=True)
     # the While loop: per iteration, apart, and counted once in the total (as the compiler counts it)
     solver = STEP_BYTES["matcher: solver"]
-    assert table["loops"] == {"while.1": {"bytes_per_iteration": solver, "flops_per_iteration": 0,
+    assert table["loops"] == {"while.1": {"bytes_per_iteration": solver, "hbm_bytes_per_iteration": solver,
+                                          "flops_per_iteration": 0,
                                           "components": {"matcher: solver": solver}}}
     assert rows["matcher: solver"]["in_loops_bytes"] == STEP_BYTES["matcher: solver"]
 

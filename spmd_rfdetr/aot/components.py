@@ -239,8 +239,10 @@ def bytes_by_component(text: str, compiler_bytes: float | None = None, compiler_
         row["flops"] += c.flops
         if c.loop is not None:
             row["in_loops_bytes"] += c.bytes
-            lp = loops.setdefault(c.loop, {"bytes_per_iteration": 0.0, "flops_per_iteration": 0.0, "components": {}})
+            lp = loops.setdefault(c.loop, {"bytes_per_iteration": 0.0, "hbm_bytes_per_iteration": 0.0,
+                                           "flops_per_iteration": 0.0, "components": {}})
             lp["bytes_per_iteration"] += c.bytes
+            lp["hbm_bytes_per_iteration"] += c.hbm
             lp["flops_per_iteration"] += c.flops
             lp["components"][c.component] = lp["components"].get(c.component, 0.0) + c.bytes
     total_bytes = sum(r["bytes"] for r in table.values())
@@ -257,6 +259,7 @@ def bytes_by_component(text: str, compiler_bytes: float | None = None, compiler_
     for lp in loops.values():
         lp["components"] = {k: round(v) for k, v in sorted(lp["components"].items(), key=lambda kv: -kv[1])}
         lp["bytes_per_iteration"] = round(lp["bytes_per_iteration"])
+        lp["hbm_bytes_per_iteration"] = round(lp["hbm_bytes_per_iteration"])
         lp["flops_per_iteration"] = round(lp["flops_per_iteration"])
     out = {"components": rows, "total_bytes": round(total_bytes),
            "total_hbm_bytes": round(sum(r["hbm"] for r in table.values())), "matmul_flops": round(total_flops),
@@ -296,6 +299,7 @@ def format_table(name: str, table: dict, out_lines: list[str] | None = None) -> 
                      f"{table['vs_compiler']:+.1%}")
     for lname, lp in sorted(table["loops"].items(), key=lambda kv: -kv[1]["bytes_per_iteration"]):
         top = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in list(lp["components"].items())[:2])
-        lines.append(f"  loop {lname}: {lp['bytes_per_iteration'] / 1e6:.2f} MB and "
+        hbm = lp.get("hbm_bytes_per_iteration", 0) / 1e6
+        lines.append(f"  loop {lname}: {lp['bytes_per_iteration'] / 1e6:.2f} MB ({hbm:.2f} of it HBM) and "
                      f"{lp['flops_per_iteration'] / 1e6:.2f} MFLOP per iteration ({top})")
     return "\n".join(lines)

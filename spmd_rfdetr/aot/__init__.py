@@ -2,9 +2,10 @@
 
 ``python -m spmd_rfdetr aot --config configs/v5e.yaml --topology v5e:2x4 [--json report.json] [--max-batch]``
 (:mod:`.check`): nothing is compiled for the CPU or run. Per program it prints whether it fits, HBM per chip, FLOPs and
-bytes accessed per step, a roofline time per step from the chip's published peak and bandwidth (:mod:`.chips`), the
-collectives in the program and inside loops, and compile time; ``--json`` adds memory by kind, the largest byte movers
-and the source lines (rfdetr's or ours) of every collective. ``--max-batch`` searches ``data.per_device_batch_size``
+bytes accessed per step (the compiler's count, which includes on-chip memory, and its HBM part), a roofline time per
+step from the chip's published peak and bandwidth (:mod:`.chips`), the collectives in the program and inside loops,
+and compile time, then the bytes by model component (:mod:`.components`); ``--json`` adds memory by kind, the largest
+byte movers and the source lines (rfdetr's or ours) of every collective. ``--max-batch`` searches ``data.per_device_batch_size``
 for the largest that compiles and the largest that leaves ``--headroom`` (10%) of HBM free.
 
 Topologies: ``v5e:1x1`` (Colab/Kaggle v5e-1), ``v5e:2x2``, ``v5e:2x4`` (v5litepod-8), ``v6e:2x4``, ``v4:2x2x1``,

@@ -1,5 +1,5 @@
-"""What one instruction of a compiled TPU program costs: its HBM bytes and matmul FLOPs, as libtpu's cost analysis
-counts them (:mod:`spmd_rfdetr.aot.components` charges them to model components).
+"""What one instruction of a compiled TPU program costs: its bytes as libtpu's cost analysis counts them, their HBM
+part, and its matmul FLOPs (:mod:`spmd_rfdetr.aot.components` charges them to model components).
 
 - Arrays are charged their tile-padded sizes, as the compiled layout pads them (:func:`tiled_bytes`).
 - A fusion that holds a gather is charged what the compiler reports for that fusion compiled alone
@@ -9,7 +9,7 @@ counts them (:mod:`spmd_rfdetr.aot.components` charges them to model components)
 - :func:`hbm_bytes`: the part of those bytes that is HBM traffic. The cost analysis counts every memory space: an
   operand the compiler prefetched into on-chip memory (``S(1)``, VMEM) is charged for the copy's read and write and
   again for each read of the copy, and tensors that live in VMEM between two fusions are charged like HBM ones (a
-  two-matmul program moving 8.4 MB of HBM is 23.1 MB by its count; ``tests/test_aot_report.py``). The layouts in
+  two-matmul program moving 8.4 MB of HBM is 23.1 MB by its count; ``tests/test_aot.py``). The layouts in
   the compiled text say which side of each access is on chip.
 """
 
@@ -26,7 +26,6 @@ from spmd_rfdetr.aot.hlo_report import (
     _bits,
     _split_top,
     parse_module,
-    shape_bytes,
 )
 
 #: Bytes the TPU's cost model charges per gathered slice beyond the memory tiles it spans (libtpu 0.0.21, measured on

@@ -125,6 +125,30 @@ def test_bilinear_sampling_by_rows_equals_rfdetrs_sampler(padding_mode: str, ali
     assert torch.allclose(xp.grad.cpu(), p.grad, atol=1e-4)
 
 
+@pytest.mark.parametrize("padding_mode", ["zeros", "border"])
+def test_point_sampling_as_one_product_equals_rfdetrs_sampler(padding_mode: str) -> None:
+    """The installed ``point_sample`` sampler (one product per map, ``dense_grid_sample``) on a sharded mesh against
+    rfdetr's own sampler on the CPU (``F.grid_sample``): maps of one channel and of three, points inside, on the edges
+    and outside; output and the maps' gradient (``point_sample``'s points are drawn, not learned)."""
+    from rfdetr.models.heads import segmentation
+    from rfdetr.utilities import tensors
+
+    xla_safe.install()
+    g = torch.Generator().manual_seed(7)
+    for channels in (1, 3):
+        value, grid = torch.randn(8, channels, 6, 5, generator=g), torch.rand(8, 9, 1, 2, generator=g) * 2.4 - 1.2
+        v = value.clone().requires_grad_()
+        expected = tensors._bilinear_grid_sample(v, grid, padding_mode, False)
+        (expected * expected).sum().backward()
+        mesh = build_mesh()
+        xv, xp = sharded(value, mesh).requires_grad_(), sharded(grid, mesh)
+        out = segmentation._bilinear_grid_sample(xv, xp, padding_mode, False)
+        assert "SPMDFullToShardShape" not in torch_xla._XLAC._get_xla_tensors_hlo([out])  # not the row lookups
+        (out * out).sum().backward()
+        assert torch.allclose(out.detach().cpu(), expected.detach(), atol=1e-6)
+        assert torch.allclose(xv.grad.cpu(), v.grad, atol=1e-5)
+
+
 def test_deformable_attention_as_one_product_equals_rfdetrs_core() -> None:
     """The installed core on a sharded mesh (two levels, points inside, on the edges and outside) against rfdetr's
     own on the CPU (``F.grid_sample``): output and the gradients of the map, the locations and the weights."""

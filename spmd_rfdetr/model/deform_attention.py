@@ -25,6 +25,9 @@ import torch
 #: on XLA): ``dW`` grows with the map, the lookups do not. v5e, one layer forward + backward at 16 images: 24x24
 #: 5.2 GB vs 14.0 by rows, 32x32 (Small) 7.8 vs 14.5, 44x44 (Large) 13.9 vs 15.5 (``benchmarks/op_costs.py``).
 DENSE_MAX_POSITIONS = 2048
+#: The same for :func:`separable_grid_sample` (the seg masks' point sampling, one channel per map): its ``[Q, H]``
+#: intermediate and FLOPs grow with the map's side. Seg Nano at 312 px: 78x78 masks.
+DENSE_SAMPLE_MAX_POSITIONS = 16384
 
 
 def corners(locations: torch.Tensor, attention_weights: torch.Tensor, shapes: list[tuple[int, int]],
@@ -97,6 +100,36 @@ def dense_core(value: torch.Tensor, locations: torch.Tensor, attention_weights: 
     positions, weights = corners(locations, attention_weights, shapes)
     out = _Sample.apply(value.flatten(0, 1), positions, weights)  # [B * heads, Q, C]
     return out.view(batch, heads, -1, channels).transpose(1, 2).flatten(2)
+
+
+def separable_grid_sample(input: torch.Tensor, grid: torch.Tensor, padding_mode: str = "zeros",
+                          align_corners: bool = False) -> torch.Tensor:
+    """rfdetr's ``_bilinear_grid_sample(input [N, C, H, W], grid [N, Hg, Wg, 2])`` (its corners, weights and ``zeros``
+    or ``border`` padding) as two products per map, for many small maps (the seg variants' per-match mask logits,
+    where a row lookup per point costs the TPU a memory tile or more): the points' column weights ``[Q, W]`` (two
+    non-zeros a row) times the map, then each point's two row weights times that ``[Q, H]`` result."""
+    maps, channels, height, width = input.shape
+    gx, gy = grid[..., 0].flatten(1), grid[..., 1].flatten(1)  # [N, Q]
+    if align_corners:
+        x, y = (gx + 1) * (width - 1) / 2, (gy + 1) * (height - 1) / 2
+    else:
+        x, y = (gx + 1) * width / 2 - 0.5, (gy + 1) * height / 2 - 0.5
+    x0, y0 = x.floor(), y.floor()
+    fx, fy = (x - x0).to(input.dtype), (y - y0).to(input.dtype)  # rfdetr's weights are in the input's dtype
+
+    def axis_weights(start: torch.Tensor, frac: torch.Tensor, size: int) -> torch.Tensor:  # [N, Q, size]
+        index = torch.arange(size, device=input.device, dtype=torch.int32)
+        low, high = start.clamp(-2, size).to(torch.int32), (start + 1).clamp(-2, size).to(torch.int32)
+        if padding_mode == "border":
+            low, high = low.clamp(0, size - 1), high.clamp(0, size - 1)
+        zero = frac.new_zeros(())  # zeros padding: a corner outside matches no index
+        return (torch.where(index == low[..., None], (1 - frac)[..., None], zero)
+                + torch.where(index == high[..., None], frac[..., None], zero))
+
+    columns, rows = axis_weights(x0, fx, width), axis_weights(y0, fy, height)
+    by_row = torch.einsum("nqw,nchw->nqch", columns, input)  # [N, Q, C, H]
+    out = torch.einsum("nqch,nqh->nqc", by_row, rows)
+    return out.transpose(1, 2).reshape(maps, channels, grid.shape[1], grid.shape[2])
 
 
 def dense_core_for_xla(upstream: Any) -> Any:

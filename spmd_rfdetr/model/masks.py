@@ -15,7 +15,8 @@ padded batches:
   8x fewer bytes than bool) and are read at the sampled points by row lookups (:func:`sample_targets`): rfdetr's
   nearest-pixel rule, no unpacked mask on the device;
 - the uncertain-point selection is rfdetr's, with its flat-index gather over all matches replaced by a per-match
-  row lookup (:func:`uncertain_points`): the flat index crosses images, which a batch split over chips cannot keep.
+  one-hot pick (:func:`uncertain_points`): the flat index crosses images, which a batch split over chips cannot keep,
+  and a row lookup per point costs the TPU a memory tile or more.
 """
 
 from __future__ import annotations
@@ -99,16 +100,24 @@ def mask_cost(pred_masks: dict[str, Tensor], packed: Tensor, point_ratio: int) -
 def uncertain_points(logits: Tensor, points: int) -> Tensor:
     """rfdetr's ``get_uncertain_point_coords_with_randomness(logits, calculate_uncertainty, points, 3, 0.75)`` for
     ``logits [N, 1, h, w]`` -> ``[N, points, 2]``, the same draws in the same order; the uncertain points are taken
-    per mask by a row lookup (upstream indexes all masks' points as one flat array)."""
+    per mask by a one-hot pick (upstream indexes all masks' points as one flat array)."""
     count = logits.shape[0]
     coords = torch.rand(count, points * OVERSAMPLE_RATIO, 2, device=logits.device)
     uncertainty = calculate_uncertainty(point_sample(logits, coords, align_corners=False))
     uncertain = int(IMPORTANCE_SAMPLE_RATIO * points)
     index = torch.topk(uncertainty[:, 0, :], k=uncertain, dim=1)[1]
-    chosen = take_rows(coords, index)
+    chosen = _pick_points(coords, index)
     if points == uncertain:
         return chosen
     return torch.cat([chosen, torch.rand(count, points - uncertain, 2, device=logits.device)], dim=1)
+
+
+def _pick_points(coords: Tensor, index: Tensor) -> Tensor:
+    """``coords [N, J, 2]`` at ``index [N, K]`` -> ``[N, K, 2]`` as one-hot selects summed over ``J`` (exact: one
+    non-zero each): a row lookup of 2 values cost the TPU ~66 KB (seg Nano at ``max_targets`` 100: 98 GB per layer)."""
+    hit = index[..., None] == torch.arange(coords.shape[1], device=coords.device)  # [N, K, J], fused into the sums
+    zero = coords.new_zeros(())
+    return torch.stack([torch.where(hit, coords[:, None, :, axis], zero).sum(-1) for axis in (0, 1)], -1)
 
 
 def mask_losses(pred_masks: dict[str, Tensor], query: Tensor, batch: dict[str, Tensor], num_boxes: Tensor,

@@ -127,9 +127,9 @@ def test_bilinear_sampling_by_rows_equals_rfdetrs_sampler(padding_mode: str, ali
 
 @pytest.mark.parametrize("padding_mode", ["zeros", "border"])
 def test_point_sampling_as_two_products_equals_rfdetrs_sampler(padding_mode: str) -> None:
-    """The installed ``point_sample`` sampler (two products per map, ``separable_grid_sample``) on a sharded mesh against
-    rfdetr's own sampler on the CPU (``F.grid_sample``): maps of one channel and of three, points inside, on the edges
-    and outside; output and the maps' gradient (``point_sample``'s points are drawn, not learned)."""
+    """The installed ``point_sample`` sampler (two products per map, ``separable_grid_sample``) on a sharded mesh
+    against rfdetr's own sampler on the CPU (``F.grid_sample``): maps of one channel and of three, points inside, on
+    the edges and outside; output and the maps' gradient (``point_sample``'s points are drawn, not learned)."""
     from rfdetr.models.heads import segmentation
     from rfdetr.utilities import tensors
 

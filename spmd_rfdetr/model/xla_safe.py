@@ -135,7 +135,8 @@ def _install_row_lookups() -> None:
 
 def _point_sampler(upstream: Any) -> Any:
     """rfdetr's ``_bilinear_grid_sample`` for ``point_sample`` in the training step: two products per map
-    (:func:`separable_grid_sample`) on maps of at most :data:`DENSE_SAMPLE_MAX_POSITIONS` positions, else row lookups."""
+    (:func:`separable_grid_sample`) on maps of at most :data:`DENSE_SAMPLE_MAX_POSITIONS` positions, else row
+    lookups."""
     rows = row_sampler(upstream, lambda: not torch.compiler.is_compiling())
 
     @functools.wraps(upstream)

@@ -28,6 +28,7 @@ import torch.nn.functional as F  # noqa: N812
 from rfdetr.models.heads.segmentation import calculate_uncertainty, point_sample
 from torch import Tensor
 
+from spmd_rfdetr.model.matching import pick_values
 from spmd_rfdetr.xla.mesh import take_rows
 
 #: rfdetr's PointRend sampling in ``loss_masks`` (its ``get_uncertain_point_coords_with_randomness`` arguments).
@@ -106,18 +107,11 @@ def uncertain_points(logits: Tensor, points: int) -> Tensor:
     uncertainty = calculate_uncertainty(point_sample(logits, coords, align_corners=False))
     uncertain = int(IMPORTANCE_SAMPLE_RATIO * points)
     index = torch.topk(uncertainty[:, 0, :], k=uncertain, dim=1)[1]
-    chosen = _pick_points(coords, index)
+    # one-hot picks (the matcher's): a row lookup of 2 coordinates cost the TPU ~66 KB (98 GB a layer at 100 targets)
+    chosen = torch.stack([pick_values(coords[..., axis], index) for axis in (0, 1)], -1)
     if points == uncertain:
         return chosen
     return torch.cat([chosen, torch.rand(count, points - uncertain, 2, device=logits.device)], dim=1)
-
-
-def _pick_points(coords: Tensor, index: Tensor) -> Tensor:
-    """``coords [N, J, 2]`` at ``index [N, K]`` -> ``[N, K, 2]`` as one-hot selects summed over ``J`` (exact: one
-    non-zero each): a row lookup of 2 values cost the TPU ~66 KB (seg Nano at ``max_targets`` 100: 98 GB per layer)."""
-    hit = index[..., None] == torch.arange(coords.shape[1], device=coords.device)  # [N, K, J], fused into the sums
-    zero = coords.new_zeros(())
-    return torch.stack([torch.where(hit, coords[:, None, :, axis], zero).sum(-1) for axis in (0, 1)], -1)
 
 
 def mask_losses(pred_masks: dict[str, Tensor], query: Tensor, batch: dict[str, Tensor], num_boxes: Tensor,

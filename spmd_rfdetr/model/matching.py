@@ -178,10 +178,10 @@ def _first_true(mask: Tensor, none: int) -> Tensor:
 
 def _take(values: Tensor, index: Tensor) -> Tensor:
     """``values[p, index[p]]`` for ``values [P, N]`` and ``index [P]``."""
-    return _pick(values, index[:, None])[:, 0]
+    return pick_values(values, index[:, None])[:, 0]
 
 
-def _pick(values: Tensor, index: Tensor) -> Tensor:
+def pick_values(values: Tensor, index: Tensor) -> Tensor:
     """``values[p, index[p, t]]`` for ``values [P, N]`` and ``index [P, T]`` (0 where ``index`` is ``N``).
 
     On XLA a one-hot select and sum over ``N`` (exact: one term is not zero), which the TPU runs as one fused pass over
@@ -309,7 +309,7 @@ def _step(*s: Tensor) -> tuple[Tensor, ...]:
     # Reached a free column: dual update exactly as SciPy does (columns scanned this search, their rows, cur).
     delta = torch.where(sc & found[:, None], low[:, None] - d, torch.zeros_like(d))
     v = v - delta
-    u = u + _pick(delta, col4row)  # free rows (col4row = Q) get 0
+    u = u + pick_values(delta, col4row)  # free rows (col4row = Q) get 0
     u = u + torch.where(found[:, None] & (rows == cur[:, None]), low[:, None], torch.zeros_like(u))
     sink = torch.where(found, j, sink)
 
@@ -371,10 +371,10 @@ def _winners(bidding: Tensor, column: Tensor, key: Tensor, best: str, num_querie
     slot = torch.where(bidding, column, spare)
     worst = float("-inf") if best == "amax" else float("inf")
     top = torch.full((num_problems, num_queries + 1), worst, dtype=key.dtype, device=key.device)
-    at_top = bidding & (key == _pick(top.scatter_reduce(1, slot, key, best), slot))
+    at_top = bidding & (key == pick_values(top.scatter_reduce(1, slot, key, best), slot))
     first = torch.full((num_problems, num_queries + 1), num_targets, dtype=_INDEX, device=key.device)
     first = first.scatter_reduce(1, torch.where(at_top, slot, spare), rows, "amin")
-    return at_top & (_pick(first, slot) == rows)
+    return at_top & (pick_values(first, slot) == rows)
 
 
 def _greedy_finish(cost: Tensor, valid: Tensor, col4row: Tensor) -> Tensor:
@@ -395,4 +395,4 @@ def _greedy_finish(cost: Tensor, valid: Tensor, col4row: Tensor) -> Tensor:
     col_of_rank = torch.full((num_problems, num_queries + 1), num_queries, dtype=_INDEX, device=cost.device)
     col_of_rank = col_of_rank.scatter(1, free_rank, cols)
     need_rank = torch.where(need, need.long().cumsum(dim=1) - 1, no_rank)
-    return torch.where(need, _pick(col_of_rank, need_rank), col4row)
+    return torch.where(need, pick_values(col_of_rank, need_rank), col4row)

@@ -18,9 +18,9 @@ import re
 import sys
 from pathlib import Path
 
-from spmd_rfdetr.aot.components import bytes_by_component, format_table, hbm_share
+from spmd_rfdetr.aot.components import bytes_by_component, format_table
 from spmd_rfdetr.aot.op_costs import gather_fusions
-from spmd_rfdetr.aot.tpu_compile import build_topology, fusion_costs
+from spmd_rfdetr.aot.tpu_compile import build_topology, fusion_costs, hbm_figures
 
 
 def markdown(name: str, table: dict, images: int) -> str:
@@ -58,10 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         report = json.loads(a.json.read_text())
         for p in report["programs"]:
             if p["name"] in tables:
-                p["bytes_by_component"] = table = tables[p["name"]]
-                p["hbm_bytes_accessed"] = hbm_share(table) * p["bytes_accessed"]
-                p["roofline_hbm_ms"] = round(max(p["flops"] / chip.device_flops,
-                                                 p["hbm_bytes_accessed"] / chip.device_bandwidth) * 1e3, 4)
+                p["bytes_by_component"] = tables[p["name"]]
+                p.update(hbm_figures(p, chip))
         a.json.write_text(json.dumps(report, indent=1))
     return 0
 

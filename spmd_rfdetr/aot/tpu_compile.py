@@ -227,14 +227,20 @@ def compile_program(prog: dict, base: Path, devices: list, chip: chips_mod.Chip,
         res["bytes_by_component"] = bytes_by_component(text, res["bytes_accessed"], res["flops"],
                                                        prog.get("images_per_device"),
                                                        fusion_bytes=fusion_costs(gather_fusions(text), devices))
-        res["hbm_bytes_accessed"] = hbm_share(res["bytes_by_component"]) * res["bytes_accessed"]
-        res["roofline_hbm_ms"] = round(max(t_flops, res["hbm_bytes_accessed"] / chip.device_bandwidth) * 1e3, 4)
+        res.update(hbm_figures(res, chip))
     except Exception as e:  # noqa: BLE001 - the breakdown is a reading of the text: never lose the compile for it
         res["bytes_by_component_error"] = f"{type(e).__name__}: {e}"[:500]
     if hlo_out is not None:
         hlo_out.mkdir(parents=True, exist_ok=True)
         (hlo_out / (re.sub(r"[^\w.\-]+", "_", prog["name"]) + ".hlo.txt")).write_text(text)
     return res
+
+
+def hbm_figures(program: dict, chip: chips_mod.Chip) -> dict[str, float]:
+    """``hbm_bytes_accessed`` and ``roofline_hbm_ms`` of a compiled program's result that has ``bytes_by_component``."""
+    hbm = hbm_share(program["bytes_by_component"]) * program["bytes_accessed"]
+    return {"hbm_bytes_accessed": hbm,
+            "roofline_hbm_ms": round(max(program["flops"] / chip.device_flops, hbm / chip.device_bandwidth) * 1e3, 4)}
 
 
 def _row(r: dict) -> list[str]:

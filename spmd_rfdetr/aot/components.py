@@ -286,10 +286,10 @@ def format_table(name: str, table: dict, out_lines: list[str] | None = None) -> 
     for r in table["components"]:
         rows.append([r["component"], f"{r['bytes'] / 1e9:.3f}", f"{r['share']:.1%}",
                      f"{r['bytes_per_image']:.3g}" if "bytes_per_image" in r else "-",
-                     f"{r.get('hbm_bytes', 0) / 1e9:.3f}", f"{r['matmul_flops'] / 1e9:.1f}",
+                     f"{r['hbm_bytes'] / 1e9:.3f}", f"{r['matmul_flops'] / 1e9:.1f}",
                      f"{r['in_loops_bytes'] / 1e9:.3f}"])
     rows.append(["total", f"{table['total_bytes'] / 1e9:.3f}", "100%", "",
-                 f"{table.get('total_hbm_bytes', 0) / 1e9:.3f}", f"{table['matmul_flops'] / 1e9:.1f}", ""])
+                 f"{table['total_hbm_bytes'] / 1e9:.3f}", f"{table['matmul_flops'] / 1e9:.1f}", ""])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines.append(f"{name}: bytes by component (per device per step, a While body once)")
     for row in rows:
@@ -299,7 +299,7 @@ def format_table(name: str, table: dict, out_lines: list[str] | None = None) -> 
                      f"{table['vs_compiler']:+.1%}")
     for lname, lp in sorted(table["loops"].items(), key=lambda kv: -kv[1]["bytes_per_iteration"]):
         top = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in list(lp["components"].items())[:2])
-        hbm = lp.get("hbm_bytes_per_iteration", 0) / 1e6
+        hbm = lp["hbm_bytes_per_iteration"] / 1e6
         lines.append(f"  loop {lname}: {lp['bytes_per_iteration'] / 1e6:.2f} MB ({hbm:.2f} of it HBM) and "
                      f"{lp['flops_per_iteration'] / 1e6:.2f} MFLOP per iteration ({top})")
     return "\n".join(lines)

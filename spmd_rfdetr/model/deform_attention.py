@@ -102,6 +102,15 @@ def dense_core(value: torch.Tensor, locations: torch.Tensor, attention_weights: 
     return out.view(batch, heads, -1, channels).transpose(1, 2).flatten(2)
 
 
+def pixel_coordinates(grid: torch.Tensor, height: int, width: int, align_corners: bool,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``F.grid_sample``'s (and rfdetr's ``_bilinear_grid_sample``'s) pixel coordinates ``(x, y)`` of a ``[-1, 1]``
+    grid ``[..., 2]`` on an ``height x width`` map."""
+    if align_corners:
+        return (grid[..., 0] + 1) * (width - 1) / 2, (grid[..., 1] + 1) * (height - 1) / 2
+    return (grid[..., 0] + 1) * width / 2 - 0.5, (grid[..., 1] + 1) * height / 2 - 0.5
+
+
 def separable_grid_sample(input: torch.Tensor, grid: torch.Tensor, padding_mode: str = "zeros",
                           align_corners: bool = False) -> torch.Tensor:
     """rfdetr's ``_bilinear_grid_sample(input [N, C, H, W], grid [N, Hg, Wg, 2])`` (its corners, weights and ``zeros``
@@ -109,11 +118,7 @@ def separable_grid_sample(input: torch.Tensor, grid: torch.Tensor, padding_mode:
     where a row lookup per point costs the TPU a memory tile or more): the points' column weights ``[Q, W]`` (two
     non-zeros a row) times the map, then each point's two row weights times that ``[Q, H]`` result."""
     maps, channels, height, width = input.shape
-    gx, gy = grid[..., 0].flatten(1), grid[..., 1].flatten(1)  # [N, Q]
-    if align_corners:
-        x, y = (gx + 1) * (width - 1) / 2, (gy + 1) * (height - 1) / 2
-    else:
-        x, y = (gx + 1) * width / 2 - 0.5, (gy + 1) * height / 2 - 0.5
+    x, y = (axis.flatten(1) for axis in pixel_coordinates(grid, height, width, align_corners))  # [N, Q]
     x0, y0 = x.floor(), y.floor()
     fx, fy = (x - x0).to(input.dtype), (y - y0).to(input.dtype)  # rfdetr's weights are in the input's dtype
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from spmd_rfdetr.model.deform_attention import pixel_coordinates
 from spmd_rfdetr.xla.mesh import take_rows
 
 _plain_gather = torch.gather
@@ -55,10 +56,7 @@ def bilinear_sample_rows(input: torch.Tensor, grid: torch.Tensor, padding_mode: 
     moves 3.27 GB, against 9.10 with four lookups (``benchmarks/README.md``). The weights and the sum are rfdetr's,
     term by term."""
     images, channels, height, width = input.shape
-    if align_corners:
-        x, y = (grid[..., 0] + 1) * (width - 1) / 2, (grid[..., 1] + 1) * (height - 1) / 2
-    else:
-        x, y = (grid[..., 0] + 1) * width / 2 - 0.5, (grid[..., 1] + 1) * height / 2 - 0.5
+    x, y = pixel_coordinates(grid, height, width, align_corners)
     x0, y0 = x.floor(), y.floor()
     wx1, wy1 = (x - x0).to(input.dtype).flatten(1)[..., None], (y - y0).to(input.dtype).flatten(1)[..., None]
     x0, y0 = x0.long().flatten(1), y0.long().flatten(1)

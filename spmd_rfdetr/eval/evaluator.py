@@ -272,19 +272,20 @@ class Evaluator:
         # lazy: rfdetr imports torch_xla, which must start after the device choice
         from rfdetr.datasets import get_coco_api_from_dataset
 
+        # lazy: xla.fabric imports torch_xla and lightning_fabric: after the device choice
+        from spmd_rfdetr.xla.fabric import replicate_parameters
+
         self.dataset = dataset
-        hosts.check_same_on_all_hosts("the number of images of the eval split", len(dataset))  # else: a hang
         self.coco_gt = get_coco_api_from_dataset(dataset)
         if self.coco_gt is None:
             raise ValueError(f"{type(dataset).__name__} has no COCO ground truth to evaluate against")
         self.label2cat, self.max_dets = label2cat_of(dataset), max_dets
-        # lazy: xla.fabric imports torch_xla and lightning_fabric: after the device choice
-        from spmd_rfdetr.xla.fabric import replicate_parameters
-
         self.forward = EvalForward(model, num_select, autocast)
+        self.loader = eval_loader(dataset, global_batch_size, resolution, num_workers)
+        # then its place on the mesh
+        hosts.check_same_on_all_hosts("the number of images of the eval split", len(dataset))  # else: a hang
         self.mesh = mesh
         replicate_parameters(self.forward.model, mesh)
-        self.loader = eval_loader(dataset, global_batch_size, resolution, num_workers)
         self.to_device = device_sender(mesh)
         self.order = hosts.mesh_row_order(mesh, global_batch_size)  # several hosts: the global batch's row order
 

@@ -16,7 +16,6 @@ import torch
 import torch_xla
 
 from spmd_rfdetr.config.options import RunConfig
-from spmd_rfdetr.data.splits import build_eval_split
 from spmd_rfdetr.eval.evaluator import Evaluator, evaluator_for, refresh_parameter_data, save_result
 from spmd_rfdetr.xla.fabric import replicate_parameters
 
@@ -131,16 +130,16 @@ class FitEvaluation:
         return record
 
 
-def fit_evaluation(cfg: RunConfig, cfgs: Any, model: torch.nn.Module, fabric: Any, every_steps: int | None = None,
-                   raw_model: torch.nn.Module | None = None) -> FitEvaluation | None:
-    """The periodic evaluation ``fit`` runs every ``every_steps`` steps (default ``eval.every_steps``; ``None`` if
-    that is 0) of ``model``, and of ``raw_model`` too if given (``eval.base_model``, the model ``model`` averages);
-    build it before the first step."""
+def fit_evaluation(cfg: RunConfig, cfgs: Any, model: torch.nn.Module, fabric: Any, dataset: Any,
+                   every_steps: int | None = None, raw_model: torch.nn.Module | None = None) -> FitEvaluation | None:
+    """The periodic evaluation ``fit`` runs on ``dataset`` (``eval.split``) every ``every_steps`` steps (default
+    ``eval.every_steps``; ``None`` if that is 0) of ``model``, and of ``raw_model`` too if given (``eval.base_model``,
+    the model ``model`` averages); build it before the first step."""
     every_steps = cfg.eval.every_steps if every_steps is None else every_steps
     if every_steps <= 0:
         return None
     e = cfg.eval
-    evaluator = evaluator_for(cfg, cfgs, model, fabric, build_eval_split(cfgs, e.split))
+    evaluator = evaluator_for(cfg, cfgs, model, fabric, dataset)
     if raw_model is not None:
         replicate_parameters(raw_model, evaluator.mesh)  # as the evaluated copy's, before the first training step
     return FitEvaluation(evaluator, every_steps, Path(cfg.trainer.output_dir), e.save_detections,

@@ -27,18 +27,14 @@ def train(cfg: Any, preemption: Preemption, started: float) -> Path:
     trainer = build_trainer(run.fabric, run.build_cfgs, cfg.optim, t, ema=cfg.model, mesh=cfg.mesh)
     saver = Saver(run, trainer)
     start, meta = saver.resume()
-    data = setup.train_data(run, trainer.step, start)
-    steplog = StepLog(run, trainer.step, data, preemption, start, started)
-    evaluation = setup.evaluation(run, trainer, meta)  # None when off
     if meta.get("early_stopped"):  # a relaunch (--trainer.resume auto) of a run that stopped early trains no more
         log.info("%s: this run stopped early at step %d (early stopping); nothing left to train", run.resume_from,
                  start)
-        steplog.close()
         return saver.weights("last.pth", start)
-
-    setup.precompile(data, trainer.step, cfg)
-    data.start()
-    steplog.open()
+    steplog = StepLog(run, trainer.step, preemption, start, started)
+    evaluation = setup.evaluation(run, trainer, meta)  # None when off
+    data = setup.train_data(run, trainer.step, start)
+    steplog.open(data)
     last_step = t.max_steps
     for step in range(start + 1, t.max_steps + 1):
         steplog.begin()

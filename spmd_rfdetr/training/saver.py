@@ -9,7 +9,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from spmd_rfdetr.model.weights import rfdetr_entries
 from spmd_rfdetr.training import checkpoint
 from spmd_rfdetr.training.build import Trainer
 from spmd_rfdetr.training.evaluation import FitEvaluation
@@ -47,12 +46,11 @@ class Saver:
 
     def weights(self, name: str, step: int) -> Path:
         """``<output_dir>/<name>``: the evaluated weights with what rfdetr's ``RFDETR.from_checkpoint`` reads."""
-        run, trainer = self.run, self.trainer
-        meta = {"config": run.resolved, "step": step, "class_names": run.names, "weights": self.weights_kind,
-                **rfdetr_entries(run.cfgs.model, run.cfg.model.variant, run.names)}
+        trainer = self.trainer
+        meta = {**self.run.weight_file_entries, "step": step, "weights": self.weights_kind}
         if trainer.ema is not None:
             meta["ema"] = {"decay": trainer.ema.decay, "tau": trainer.ema.tau, "updates": step}
-        return checkpoint.save_weights(run.out / name, trainer.inference_model, meta)
+        return checkpoint.save_weights(self.run.out / name, trainer.inference_model, meta)
 
     def best(self, step: int, evaluation: FitEvaluation) -> None:
         """``best.pth`` after an evaluation that improved the mAP."""

@@ -1,9 +1,10 @@
 """``fit``'s start-up: everything that runs once before step 1, in this order.
 
 :func:`prepare`: the config checked against the devices, the resume point, the starting weights, the data check
-(every data problem at once, before anything is built or compiled), Fabric on the mesh, rfdetr's configs, the train
-split and the run's length in steps, ``config.yaml``. Then, once the trainer is built and resumed:
-:func:`train_data` (the loader from the resumed step, multi-scale buckets), :func:`evaluation` (``None`` when off).
+(every data problem at once, before anything is built or compiled), rfdetr's configs, the splits, what every weight file
+carries, Fabric on the mesh, the run's length in steps, ``config.yaml``. Then, once the trainer is built and resumed:
+:func:`evaluation` (``None`` when off), :func:`train_data` (the loader from the resumed step, started; in replay mode
+each multi-scale bucket's step compiled before step 1).
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import torch_xla.runtime as xr
 import yaml
 
 from spmd_rfdetr.config.options import RunConfig, is_segmentation
-from spmd_rfdetr.config.resolve import (eval_every_steps, fetch_pretrain_weights, multi_scale_buckets,
-                                        resolve_and_check, steps_per_epoch, upstream_scales)
+from spmd_rfdetr.config.resolve import (eval_every_steps, evaluates_in_fit, fetch_pretrain_weights,
+                                        multi_scale_buckets, resolve_and_check, steps_per_epoch, upstream_scales)
 from spmd_rfdetr.data.batches import blank_batch, first_uses, make_train_loader
 from spmd_rfdetr.data.check import check_data
-from spmd_rfdetr.data.splits import build_split, check_overflow, class_names, num_classes_in
+from spmd_rfdetr.data.splits import build_eval_split, build_split, check_overflow, class_names, num_classes_in
 from spmd_rfdetr.model.upstream import UpstreamConfigs, upstream_configs
+from spmd_rfdetr.model.weights import rfdetr_entries
 from spmd_rfdetr.training import checkpoint
 from spmd_rfdetr.training.build import Trainer, unwrap
 from spmd_rfdetr.training.evaluation import FitEvaluation, fit_evaluation
@@ -50,8 +52,10 @@ class Run:
     fabric: Any
     cfgs: UpstreamConfigs
     train_set: Any
+    eval_set: Any  # ``eval.split`` when ``fit`` evaluates, else None
     resolved: dict[str, Any]  # the config as run (``config.yaml``, every checkpoint's ``config``)
-    names: list[str]  # class names by training label
+    weight_file_entries: dict[str, Any]  # what every weight file carries besides its weights and step: the config,
+    # the class names by training label and rfdetr's own entries
 
     @property
     def coordinator(self) -> bool:
@@ -79,19 +83,23 @@ def prepare(cfg: RunConfig) -> Run:
     check_s = time.perf_counter() - check_start
 
     out.mkdir(parents=True, exist_ok=True)
-    fabric = spmd_fabric(build_mesh(cfg.mesh.data, cfg.mesh.fsdp), precision=PRECISIONS[t.precision])
-    fabric.seed_everything(t.seed)
     num_classes = cfg.model.num_classes or num_classes_in(d.dataset_dir)
     cfgs = upstream_configs(cfg.model, d, cfg.optim, num_classes, cfg.eval.num_select)
     train_set = data_report.usable(build_split(cfgs, "train"), "train")  # less the images data.on_bad=skip leaves out
     check_overflow(train_set, d, "train")
+    eval_set = build_eval_split(cfgs, cfg.eval.split) if evaluates_in_fit(cfg) else None
+    names = class_names(train_set, num_classes)
+    upstream_entries = rfdetr_entries(cfgs.model, cfg.model.variant, names)
+    fabric = spmd_fabric(build_mesh(cfg.mesh.data, cfg.mesh.fsdp), precision=PRECISIONS[t.precision])
+    fabric.seed_everything(t.seed)
     hosts.check_same_on_all_hosts(f"{d.dataset_dir}: the number of usable train images", len(train_set))
     _size_in_steps(cfg, len(train_set))
     resolved = dataclasses.asdict(cfg)
     resolved["model"]["num_classes"] = num_classes
     if hosts.is_coordinator():
         (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-    return Run(cfg, out, resume_from, check_s, fabric, cfgs, train_set, resolved, class_names(train_set, num_classes))
+    entries = {"config": resolved, "class_names": names, **upstream_entries}
+    return Run(cfg, out, resume_from, check_s, fabric, cfgs, train_set, eval_set, resolved, entries)
 
 
 def _size_in_steps(cfg: RunConfig, train_images: int) -> None:
@@ -132,7 +140,8 @@ class TrainData:
 
 
 def train_data(run: Run, step_fn: TrainStep, start: int) -> TrainData:
-    """The loader of the steps after ``start``; in replay mode every multi-scale bucket compiles before step 1."""
+    """The loader of the steps after ``start``, started; in replay mode every multi-scale bucket's step compiles
+    first, from a blank batch of its shape."""
     cfg, d = run.cfg, run.cfg.data
     buckets, warmup = multi_scale_buckets(cfg), 2
     if buckets and step_fn.mode != "replay":
@@ -147,17 +156,16 @@ def train_data(run: Run, step_fn: TrainStep, start: int) -> TrainData:
     loader = fabric.setup_dataloaders(make_train_loader(run.train_set, d, read_at, seed=cfg.trainer.seed,
                                                         start_step=start, host=hosts.batch_share(), scales=buckets))
     # Fabric's wrapper copied the loader's attributes once; its counters live in the loader under it
-    return TrainData(loader, loader._dataloader, buckets, warmup, read_at)
+    data = TrainData(loader, loader._dataloader, buckets, warmup, read_at)
+    if buckets and step_fn.mode == "replay":
+        rows, masks = d.global_batch_size // hosts.batch_share()[1], is_segmentation(cfg.model.variant)
 
+        def blank(size: int) -> dict[str, Any]:
+            return data.spmd_loader.place(blank_batch(rows, size, d.max_targets, read_at, masks=masks))
 
-def precompile(data: TrainData, step_fn: TrainStep, cfg: RunConfig) -> None:
-    """Replay mode: compile the step of every multi-scale bucket from a blank batch of its shape, before step 1."""
-    if not data.buckets or step_fn.mode != "replay":
-        return
-    d = cfg.data
-    precompile_buckets(step_fn, data.buckets, lambda size: data.spmd_loader.place(
-        blank_batch(d.global_batch_size // hosts.batch_share()[1], size, d.max_targets, data.read_at,
-                    masks=is_segmentation(cfg.model.variant))))
+        precompile_buckets(step_fn, buckets, blank)
+    data.start()
+    return data
 
 
 def precompile_buckets(step_fn: TrainStep, buckets: list[int], batch_of: Callable[[int], dict[str, Any]]) -> None:
@@ -180,7 +188,7 @@ def evaluation(run: Run, trainer: Trainer, meta: dict[str, Any]) -> FitEvaluatio
         log.info("eval.every_epochs=%g: an evaluation every %d steps (%d steps per epoch)", cfg.eval.every_epochs,
                  eval_every, steps_per_epoch(cfg, len(run.train_set)))
     raw = unwrap(trainer.model) if trainer.ema is not None and cfg.eval.base_model else None  # rfdetr's eval_base_model
-    evaluation = fit_evaluation(cfg, run.cfgs, trainer.inference_model, run.fabric, eval_every, raw)
+    evaluation = fit_evaluation(cfg, run.cfgs, trainer.inference_model, run.fabric, run.eval_set, eval_every, raw)
     if evaluation is not None:
         evaluation.restore(meta)
         if run.resume_from:

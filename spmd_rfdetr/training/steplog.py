@@ -24,18 +24,20 @@ DATA_BOUND_SHARE = 0.10
 class StepLog:
     """The records of one run: each covers the steps since the previous log point (its window)."""
 
-    def __init__(self, run: Run, step_fn: TrainStep, data: TrainData, preemption: Preemption, start: int,
-                 started: float) -> None:
+    def __init__(self, run: Run, step_fn: TrainStep, preemption: Preemption, start: int, started: float) -> None:
         t = run.cfg.trainer
-        self.metrics = MetricsLog(run.out, t.max_steps, t.progress_bar, data.warmup, start_step=start,
-                                  writes_file=run.coordinator,
+        # from here the XLA counters count toward the first record (the bucket compiles before step 1 too)
+        self.metrics = MetricsLog(run.out, t.max_steps, t.progress_bar, start_step=start, writes_file=run.coordinator,
                                   loggers=build_loggers(t.loggers, run.out) if run.coordinator else [])
-        self.run, self.step_fn, self.loader, self.preemption = run, step_fn, data.spmd_loader, preemption
+        self.run, self.step_fn, self.preemption = run, step_fn, preemption
         self.start, self.started = start, started
         self.nonfinite_seen = 0
 
-    def open(self) -> None:
-        """Start the first window, after start-up (runtime, data check, build, loader, bucket compiles)."""
+    def open(self, data: TrainData) -> None:
+        """Start the first window, after start-up (runtime, data check, build, loader, bucket compiles); ``data``'s
+        loader counts the waits for batches, its warm-up steps may compile."""
+        self.loader = data.spmd_loader
+        self.metrics.warmup_steps = self.start + data.warmup
         self.next_window()
         self.ready_s = self.window_start - self.started
 

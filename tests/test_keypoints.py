@@ -1,0 +1,77 @@
+"""rfdetr's keypoint losses on a padded static batch (``spmd_rfdetr.model.keypoints``) against upstream's own
+``SetCriterion.loss_keypoints`` on the unpadded targets: every term and its gradient, eager CPU, the same draws."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rfdetr.models.criterion import SetCriterion
+from rfdetr.models.matcher import HungarianMatcher
+
+from spmd_rfdetr.model.keypoints import KEYPOINT_LOSSES, keypoint_losses
+
+QUERIES, SLOTS = 12, 5
+
+
+def _draw(schema: list[int], counts: list[int], seed: int = 0) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """Predictions ``[B, Q, len(schema) * kpad, 8]`` with the awkward values rfdetr's loss guards against (NaN and
+    inf channels, a log-precision that overflows exp), and per-image targets with visibility 0/1/2, a zero-area box
+    and labels of every class of the schema."""
+    g = torch.Generator().manual_seed(seed)
+    kpad = max(schema)
+    pred = torch.randn(len(counts), QUERIES, len(schema) * kpad, 8, generator=g)
+    pred[0, 1, 2, 0] = float("nan")  # a location channel
+    pred[0, 2, 3, 2] = float("inf")  # a findable logit
+    pred[1, 0, 1, 3] = float("nan")  # a visible logit
+    pred[1, 3, 0, 4] = 100.0  # log_l11: exp() overflows
+    pred[0, 0, 4, 6] = float("nan")  # log_l22
+    if len(schema) > 1:
+        pred[0, 1, kpad + 1, 0] = float("nan")  # another class's slot: read by nothing
+    targets = []
+    for n in counts:
+        keypoints = torch.rand(n, kpad, 3, generator=g)
+        keypoints[..., 2] = torch.randint(0, 3, (n, kpad), generator=g).float()
+        keypoints[keypoints[..., 2] == 0] = 0.0  # rfdetr's readers zero unlabelled points
+        boxes = torch.rand(n, 4, generator=g) * 0.5 + 0.05
+        if n:
+            boxes[0, 2] = 0.0  # a degenerate box: no location or NLL term
+        labels = torch.arange(n) % len(schema)
+        targets.append({"keypoints": keypoints, "boxes": boxes, "labels": labels})
+    return pred, targets
+
+
+@pytest.mark.parametrize("schema", [[17], [0, 5]], ids=["person", "two-classes"])
+def test_keypoint_losses_on_a_padded_batch_equal_rfdetrs_on_the_targets(schema):
+    counts = [3, 4, 0]
+    pred, targets = _draw(schema, counts)
+    torch.manual_seed(1)
+    indices = [(torch.randperm(n), torch.randperm(n)) for n in counts]  # queries 0..n-1: the awkward values matched
+    num_boxes = torch.tensor(float(sum(counts)))
+    upstream = SetCriterion(len(schema), HungarianMatcher(), {}, 0.25, ["keypoints"],
+                            num_keypoints_per_class=schema)
+    theirs_pred = pred.clone().requires_grad_()
+    theirs = upstream.loss_keypoints({"pred_keypoints": theirs_pred}, targets, indices, num_boxes)
+
+    # the static batch: every image SLOTS target slots, padding zero (as data.batches pads), each slot's matched query
+    kpad, batch = max(schema), len(counts)
+    keypoints, boxes = torch.zeros(batch, SLOTS, kpad, 3), torch.zeros(batch, SLOTS, 4)
+    labels, valid = torch.zeros(batch, SLOTS, dtype=torch.long), torch.zeros(batch, SLOTS, dtype=torch.bool)
+    query = torch.zeros(batch, SLOTS, dtype=torch.long)
+    for b, (t, (src, tgt)) in enumerate(zip(targets, indices)):
+        n = len(tgt)
+        keypoints[b, :n], boxes[b, :n], labels[b, :n], valid[b, :n] = (t["keypoints"][tgt], t["boxes"][tgt],
+                                                                       t["labels"][tgt], True)
+        leftover = [q for q in range(QUERIES) if q not in src.tolist()]
+        query[b] = torch.cat([src, torch.tensor(leftover[:SLOTS - n], dtype=torch.long)])
+    ours_pred = pred.clone().requires_grad_()
+    at_slots = ours_pred.gather(1, query[:, :, None, None].expand(-1, -1, *pred.shape[2:]))
+    ours = keypoint_losses(at_slots, keypoints, labels, boxes[..., 2] * boxes[..., 3], valid, num_boxes, schema)
+
+    assert set(ours) == set(theirs) == set(KEYPOINT_LOSSES)
+    for name in KEYPOINT_LOSSES:
+        assert torch.isfinite(theirs[name]), name
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-7, msg=name)
+    (sum(ours.values()) * 1.0).backward()
+    sum(theirs.values()).backward()
+    assert theirs_pred.grad.abs().sum() > 0 and torch.isfinite(theirs_pred.grad).all()
+    torch.testing.assert_close(ours_pred.grad, theirs_pred.grad, rtol=1e-5, atol=1e-7)

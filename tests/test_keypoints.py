@@ -1,14 +1,16 @@
-"""rfdetr's keypoint losses on a padded static batch (``spmd_rfdetr.model.keypoints``) against upstream's own
-``SetCriterion.loss_keypoints`` on the unpadded targets: every term and its gradient, eager CPU, the same draws."""
+"""rfdetr's keypoint losses and matching costs on a padded static batch (``spmd_rfdetr.model.keypoints``) against
+upstream's own ``SetCriterion.loss_keypoints`` and ``compute_keypoint_matching_cost`` on the unpadded targets: every
+term (and the losses' gradients), eager CPU, the same draws."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from rfdetr.models.criterion import SetCriterion
+from rfdetr.models.heads.keypoints import compute_keypoint_matching_cost
 from rfdetr.models.matcher import HungarianMatcher
 
-from spmd_rfdetr.model.keypoints import KEYPOINT_LOSSES, keypoint_losses
+from spmd_rfdetr.model.keypoints import KEYPOINT_LOSSES, keypoint_losses, keypoint_match_costs
 
 QUERIES, SLOTS = 12, 5
 
@@ -75,3 +77,34 @@ def test_keypoint_losses_on_a_padded_batch_equal_rfdetrs_on_the_targets(schema):
     sum(theirs.values()).backward()
     assert theirs_pred.grad.abs().sum() > 0 and torch.isfinite(theirs_pred.grad).all()
     torch.testing.assert_close(ours_pred.grad, theirs_pred.grad, rtol=1e-5, atol=1e-7)
+
+
+def _padded(targets: list[dict[str, torch.Tensor]], kpad: int) -> dict[str, torch.Tensor]:
+    """The per-image targets padded to ``SLOTS`` zero slots (as ``data.batches`` pads them)."""
+    batch = len(targets)
+    out = {"keypoints": torch.zeros(batch, SLOTS, kpad, 3), "boxes": torch.zeros(batch, SLOTS, 4),
+           "labels": torch.zeros(batch, SLOTS, dtype=torch.long)}
+    for b, t in enumerate(targets):
+        for key in out:
+            out[key][b, :len(t["labels"])] = t[key]
+    return out
+
+
+@pytest.mark.parametrize("schema", [[17], [0, 5]], ids=["person", "two-classes"])
+def test_keypoint_match_costs_per_image_equal_rfdetrs_over_the_batch(schema):
+    counts = [3, 4, 0]
+    pred, targets = _draw(schema, counts, seed=2)
+    everything = {key: torch.cat([t[key] for t in targets]) for key in ("keypoints", "boxes", "labels")}
+    theirs = compute_keypoint_matching_cost(pred, everything["keypoints"], everything["labels"],
+                                            everything["boxes"][:, 2] * everything["boxes"][:, 3], schema)
+    padded = _padded(targets, max(schema))
+    ours = keypoint_match_costs(pred, padded["keypoints"], padded["labels"],
+                                padded["boxes"][..., 2] * padded["boxes"][..., 3], schema)
+    first = 0
+    for b, n in enumerate(counts):  # upstream prices every query against every image's targets: ours, its own
+        for name, mine, upstream in zip(("l1", "findable", "visible", "nll"), ours, theirs):
+            assert mine.shape == (len(counts), QUERIES, SLOTS)
+            torch.testing.assert_close(mine[b, :, :n], upstream[b, :, first:first + n], rtol=1e-6, atol=1e-6,
+                                       equal_nan=True, msg=f"{name}, image {b}")
+        first += n
+    assert sum(torch.isfinite(c).sum() for c in ours) > 0

@@ -8,6 +8,10 @@ non-finite factors: each a device-to-host sync inside a compiled step), for any 
 A class outside the schema gives that target zero losses (upstream zeroes the whole batch's; the data check refuses
 such labels first). :func:`keypoint_losses` weights each pair by ``valid``: upstream's ``loss_keypoints`` refuses
 padded targets because a padding pair's findable/visible BCE is not zero (its L1 and NLL vanish with its zero area).
+
+The matcher's keypoint terms (``compute_keypoint_matching_cost``, which finds each class's targets with ``nonzero``
+and writes their columns by index) are :func:`keypoint_match_costs`: every query of an image against that image's
+target slots, each class's arithmetic computed for every slot and kept where the slot holds that class.
 """
 
 from __future__ import annotations
@@ -79,6 +83,67 @@ def keypoint_losses(pred: Tensor, target: Tensor, classes: Tensor, areas: Tensor
     weight = valid.to(pred.dtype)
     terms = target_keypoint_losses(pred, target, classes, areas, schema)
     return {f"{name}{suffix}": (term * weight).sum() / num_boxes for name, term in zip(KEYPOINT_LOSSES, terms)}
+
+
+def keypoint_match_costs(pred: Tensor, target: Tensor, classes: Tensor, areas: Tensor,
+                         schema: Sequence[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """rfdetr's keypoint matching costs (L1, findable, visible, NLL), each ``[B, Q, T]``, of ``pred [B, Q, len(schema)
+    * kpad, >= 7]`` against the image's own ``target [B, T, kpad, 3]``, ``classes [B, T]`` and ``areas [B, T]``; zero
+    for a slot whose class has no keypoints (padding with a keypoint class is the caller's to mask, as upstream's
+    matcher masks it)."""
+    batch, queries, _, dim = pred.shape
+    kpad = pred.shape[2] // len(schema)
+    by_class = pred.reshape(batch, queries, len(schema), kpad, dim)
+    costs = [torch.zeros(batch, queries, classes.shape[1], dtype=pred.dtype, device=pred.device) for _ in range(4)]
+    for c, count in enumerate(schema):
+        if count == 0:
+            continue
+        here = (classes == c)[:, None, :]
+        for i, cost in enumerate(_class_costs(by_class[:, :, c, :count], target[:, :, :count], areas)):
+            costs[i] = torch.where(here, cost.to(pred.dtype), costs[i])
+    return costs[0], costs[1], costs[2], costs[3]
+
+
+def _class_costs(pred: Tensor, target: Tensor, areas: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One class's four costs ``[B, Q, T]`` for ``pred [B, Q, K, D]`` and ``target [B, T, K, 3]``: upstream's
+    arithmetic for that class, per image instead of over the whole batch's targets."""
+    count = pred.shape[2]
+    area = areas.to(torch.float32)
+    eps = torch.finfo(area.dtype).eps
+    valid_area = torch.isfinite(area) & (area > eps)
+    target_xy = target[..., :2]
+    seen = (torch.isfinite(target[..., 2]) & (target[..., 2] > 0) & torch.isfinite(target_xy).all(dim=-1)
+            & valid_area[..., None])  # [B, T, K]
+    seen_count = seen.sum(dim=-1).to(torch.float32)
+    denom = seen_count.clamp(min=1)[:, None, :]  # [B, 1, T]
+
+    pred_xy = pred[..., :2].to(torch.float32)
+    diff = pred_xy[:, :, None] - target_xy.to(torch.float32)[:, None]  # [B, Q, T, K, 2]
+    l1 = diff.abs().sum(-1).masked_fill(~seen[:, None], 0.0).sum(-1)
+    l1 = (l1 / denom).div(area.clamp_min(eps).sqrt()[:, None, :])
+    l1 = torch.nan_to_num(l1, nan=0.0, posinf=0.0, neginf=0.0)
+
+    factors = pred[..., 4:7].to(torch.float32)  # [B, Q, K, 3]
+    finite_pred = torch.isfinite(pred_xy).all(dim=-1) & torch.isfinite(factors).all(dim=-1)
+    dx, dy = diff[..., 0], diff[..., 1]
+    u0 = factors[..., 0].exp()[:, :, None] * dx + factors[..., 1][:, :, None] * dy
+    u1 = factors[..., 2].exp()[:, :, None] * dy
+    maha2 = u0 * u0 + u1 * u1
+    used = seen[:, None] & finite_pred[:, :, None] & torch.isfinite(u0) & torch.isfinite(u1) & torch.isfinite(maha2)
+    nll = 0.5 * (maha2 / area.clamp_min(eps)[:, None, :, None]) - (factors[..., 0] + factors[..., 2])[:, :, None]
+    nll = torch.nan_to_num(nll, nan=0.0, posinf=torch.finfo(nll.dtype).max / 2, neginf=torch.finfo(nll.dtype).min)
+    nll = nll.masked_fill(~used, 0.0).sum(-1) / denom
+    nll = nll.masked_fill(~(seen_count > 0)[:, None, :], 0.0)
+
+    findable = _pairwise_bce(pred[..., 2], (target[..., 2] > 0).to(pred.dtype)) / float(count)
+    visible = _pairwise_bce(pred[..., 3], (target[..., 2] > 1).to(pred.dtype)) / float(count)
+    return l1, findable, visible, nll
+
+
+def _pairwise_bce(logits: Tensor, labels: Tensor) -> Tensor:
+    """``[B, Q, T]``: BCE-with-logits of every query's ``logits [B, Q, K]`` against every slot's ``labels [B, T, K]``,
+    summed over ``K`` (rfdetr's ``_cdist_bce_with_logits``, per image)."""
+    return F.softplus(logits).sum(dim=-1, keepdim=True) - torch.matmul(logits, labels.transpose(1, 2))
 
 
 def _bce(logits: Tensor, positive: Tensor, active: Tensor) -> Tensor:

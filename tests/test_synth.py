@@ -184,3 +184,51 @@ def test_refuses_non_empty_output_dir(tmp_path: Path) -> None:
     (tmp_path / "keep.txt").write_text("x")
     with pytest.raises(ValueError, match="output_dir"):
         synth(str(tmp_path), train_images=1, valid_images=1, test_images=0)
+
+
+def test_keypoints_through_rfdetr_and_pycocotools(tmp_path: Path) -> None:
+    """``synth(keypoints=True)``: rfdetr infers the schema and flip pairs from it and reads every point as written;
+    pycocotools scores the annotations as detections at OKS AP 1; every visible point is on its shape."""
+    from pycocotools import mask as coco_mask
+    from pycocotools.cocoeval import COCOeval
+    from rfdetr.datasets._keypoint_schema import infer_coco_keypoint_schema
+    from rfdetr.datasets.coco import CocoDetection
+
+    root = synth(str(tmp_path / "kp"), train_images=6, valid_images=2, test_images=0, image_size=96, num_classes=6,
+                 max_objects=5, seed=5, keypoints=True)
+    ann_file = root / "train" / "_annotations.coco.json"
+    coco = _load(root, "train")
+    schema = infer_coco_keypoint_schema(ann_file)
+    assert schema.num_keypoints_per_class == [0] + [5] * 6  # the root has none (a Roboflow keypoint export's layout)
+    assert schema.keypoint_flip_pairs == [1, 3]  # right <-> left, from the names
+    visibilities = set()
+    for a in coco["annotations"]:
+        points = np.array(a["keypoints"]).reshape(5, 3)
+        mask = coco_mask.decode({"size": a["segmentation"]["size"], "counts": a["segmentation"]["counts"].encode()})
+        on_shape = mask[points[:, 1].astype(int), points[:, 0].astype(int)] > 0
+        assert ((points[:, 2] == 2) == on_shape).all() and (points[:, 2] > 0).all(), a
+        assert a["num_keypoints"] == 5
+        assert points[1, 0] > points[3, 0] and points[0, 1] < points[2, 1]  # right of left, top above bottom
+        x, y, w, h = a["bbox"]
+        assert ((points[:, 0] > x) & (points[:, 0] < x + w) & (points[:, 1] > y) & (points[:, 1] < y + h)).all()
+        visibilities |= set(points[:, 2].tolist())
+    assert visibilities == {1.0, 2.0}  # some ring's centre is in its hole
+
+    ds = CocoDetection(root / "train", ann_file, transforms=None, include_keypoints=True,
+                       num_keypoints_per_class=schema.num_keypoints_per_class, remap_category_ids=True)
+    for index in range(len(ds)):
+        _, target = ds[index]
+        anns = [a for a in coco["annotations"] if a["image_id"] == int(target["image_id"])]
+        want = np.array([a["keypoints"] for a in anns]).reshape(len(anns), 5, 3)
+        np.testing.assert_allclose(target["keypoints"].numpy(), want, atol=1e-5)
+        assert target["labels"].tolist() == [ds.cat2label[a["category_id"]] for a in anns]
+
+    gt = COCO(str(ann_file))
+    results = [{"image_id": a["image_id"], "category_id": a["category_id"], "keypoints": a["keypoints"], "score": 1.0}
+               for a in coco["annotations"]]
+    evaluator = COCOeval(gt, gt.loadRes(results), iouType="keypoints")
+    evaluator.params.kpt_oks_sigmas = np.full(5, 0.05)  # rfdetr's sigma for a keypoint count other than COCO's 17
+    evaluator.evaluate()
+    evaluator.accumulate()
+    evaluator.summarize()
+    assert evaluator.stats[0] == pytest.approx(1.0)

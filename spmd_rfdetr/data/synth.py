@@ -30,6 +30,8 @@ SPLITS = ("train", "valid", "test")
 SHAPES = ("rectangle", "ellipse", "triangle", "cross", "diamond", "ring")
 COLOURS = ((220, 40, 40), (30, 160, 60), (40, 80, 220), (235, 170, 20), (180, 40, 180), (20, 170, 190))
 SUPERCATEGORY = "shapes"
+#: The keypoints every class names, in order (``synth(keypoints=True)``).
+KEYPOINT_NAMES = ("top", "right", "bottom", "left", "centre")
 MIN_IMAGE_SIZE = 64
 MAX_IMAGE_SIZE = 2048
 _CELL_MIN = 10  # smallest grid cell (px): a shape of >= 8 px plus a 1 px margin on each side
@@ -43,6 +45,7 @@ class SynthImage:
     labels: list[int]  # 0-based class index per object; COCO category_id is label + 1
     masks: np.ndarray  # (N, H, W) bool, the pixels of each shape
     boxes: list[list[int]]  # COCO [x, y, w, h] of each mask's tight bounding box
+    keypoints: np.ndarray  # (N, 5, 3) float: x, y (pixel centres) and COCO visibility of KEYPOINT_NAMES
 
 
 def _grid(n: int) -> tuple[int, int]:
@@ -72,6 +75,21 @@ def _draw(draw: ImageDraw.ImageDraw, kind: str, x0: int, y0: int, w: int, h: int
         draw.ellipse((x0 + t, y0 + t, x1 - t, y1 - t), fill=0)
 
 
+def _keypoints(kind: str, mask: np.ndarray, box: list[int]) -> list[list[float]]:
+    """``KEYPOINT_NAMES`` of one drawn shape: its extreme pixels (a triangle: apex, base corners and base midpoint)
+    and its box centre, ``[x + 0.5, y + 0.5, v]`` each; ``v`` is 2 on the shape's pixels, 1 off them."""
+    x0, y0, w, h = box
+    x1, y1, cx, cy = x0 + w - 1, y0 + h - 1, x0 + (w - 1) // 2, y0 + (h - 1) // 2
+    if kind == "triangle":
+        xs, ys = np.nonzero(mask[y1])[0], np.nonzero(mask[y0])[0]
+        points = [(int(ys.mean().round()), y0), (int(xs.max()), y1), (cx, y1), (int(xs.min()), y1)]
+    else:
+        rows, cols = np.nonzero(mask[:, cx])[0], np.nonzero(mask[cy])[0]
+        points = [(cx, int(rows.min())), (int(cols.max()), cy), (cx, int(rows.max())), (int(cols.min()), cy)]
+    points.append((cx, cy))
+    return [[x + 0.5, y + 0.5, 2.0 if mask[y, x] else 1.0] for x, y in points]
+
+
 def render_image(
     seed: int, split: str, index: int, image_size: int, num_classes: int, min_objects: int, max_objects: int
 ) -> SynthImage:
@@ -88,7 +106,7 @@ def render_image(
     background = rng.integers(150, 231) + rng.integers(-12, 13, size=3)
     noise = rng.normal(0.0, rng.uniform(0.0, 6.0), size=(size, size, 3))
     pixels = np.clip(background + noise, 0, 255).round().astype(np.uint8)
-    labels, masks, boxes = [], [], []
+    labels, masks, boxes, keypoints = [], [], [], []
     for cell in cells:
         cx0, cx1 = xs[cell % cols] + 1, xs[cell % cols + 1] - 1  # 1 px margin inside the cell
         cy0, cy1 = ys[cell // cols] + 1, ys[cell // cols + 1] - 1
@@ -106,9 +124,10 @@ def render_image(
         rows_hit, cols_hit = np.flatnonzero(mask.any(axis=1)), np.flatnonzero(mask.any(axis=0))
         bx, by = int(cols_hit[0]), int(rows_hit[0])
         boxes.append([bx, by, int(cols_hit[-1]) - bx + 1, int(rows_hit[-1]) - by + 1])
+        keypoints.append(_keypoints(SHAPES[label], mask, boxes[-1]))
         labels.append(label)
         masks.append(mask)
-    return SynthImage(pixels, labels, np.stack(masks), boxes)
+    return SynthImage(pixels, labels, np.stack(masks), boxes, np.array(keypoints, dtype=np.float64))
 
 
 def rle(mask: np.ndarray) -> dict[str, object]:
@@ -117,10 +136,16 @@ def rle(mask: np.ndarray) -> dict[str, object]:
     return {"size": [int(v) for v in encoded["size"]], "counts": encoded["counts"].decode("ascii")}
 
 
-def categories(num_classes: int) -> list[dict[str, object]]:
-    """Roboflow-style COCO categories: the unannotated root (id 0) and classes ``1..num_classes``."""
+def categories(num_classes: int, keypoints: bool = False) -> list[dict[str, object]]:
+    """Roboflow-style COCO categories: the unannotated root (id 0) and classes ``1..num_classes`` (with
+    ``keypoints``: each names :data:`KEYPOINT_NAMES`, its skeleton the centre to each other point, 1-based)."""
     root = {"id": 0, "name": SUPERCATEGORY, "supercategory": "none"}
-    return [root] + [{"id": i + 1, "name": SHAPES[i], "supercategory": SUPERCATEGORY} for i in range(num_classes)]
+    classes = [{"id": i + 1, "name": SHAPES[i], "supercategory": SUPERCATEGORY} for i in range(num_classes)]
+    if keypoints:
+        centre = len(KEYPOINT_NAMES)
+        for category in classes:
+            category.update(keypoints=list(KEYPOINT_NAMES), skeleton=[[k, centre] for k in range(1, centre)])
+    return [root] + classes
 
 
 def _check(output_dir: str, counts: dict[str, int], image_size: int, num_classes: int, min_objects: int,
@@ -158,8 +183,10 @@ def synth(
     max_objects: int = 6,
     seed: int = 0,
     min_objects: int = 1,
+    keypoints: bool = False,
 ) -> Path:
-    """Write a synthetic shapes dataset in Roboflow COCO layout: boxes and exact masks (RLE ``segmentation``).
+    """Write a synthetic shapes dataset in Roboflow COCO layout: boxes and exact masks (RLE ``segmentation``), and
+    with ``keypoints`` five COCO keypoints per object.
 
     Args:
         output_dir: Dataset root to create; must not exist or be an empty directory. Gets ``train/``, ``valid/`` and
@@ -176,6 +203,8 @@ def synth(
             ``seed``, its split and its index.
         min_objects: Fewest objects per image (1 to max_objects); the count is uniform in
             ``[min_objects, max_objects]``.
+        keypoints: Also write COCO keypoints (a Roboflow keypoint export's layout): ``top, right, bottom, left,
+            centre`` of every shape, visibility 2 on the shape, 1 off it (a ring's centre).
 
     Returns:
         The dataset root, resolved.
@@ -195,12 +224,15 @@ def synth(
             file_name = f"{split}_{index:06d}.jpg"
             Image.fromarray(image.pixels).save(root / split / file_name, "JPEG", quality=95, subsampling=0)
             images.append({"id": index, "file_name": file_name, "width": image_size, "height": image_size})
-            for label, box, mask in zip(image.labels, image.boxes, image.masks):
+            for label, box, mask, points in zip(image.labels, image.boxes, image.masks, image.keypoints):
                 # Annotation ids start at 1: pycocotools' COCOeval reads a matched id of 0 as "unmatched".
                 annotations.append({"id": len(annotations) + 1, "image_id": index, "category_id": label + 1,
                                     "bbox": box, "area": box[2] * box[3], "iscrowd": 0, "segmentation": rle(mask)})
+                if keypoints:
+                    annotations[-1].update(keypoints=[float(v) for v in points.ravel()],
+                                           num_keypoints=int((points[:, 2] > 0).sum()))
         coco = {"info": {"description": "spmd_rfdetr synthetic shapes", "version": "1"},
-                "categories": categories(num_classes), "images": images, "annotations": annotations}
+                "categories": categories(num_classes, keypoints), "images": images, "annotations": annotations}
         (root / split / "_annotations.coco.json").write_text(json.dumps(coco), encoding="utf-8")
         summary.append(f"{split} {count} images / {len(annotations)} objects")
     print(f"synth: {root}: {', '.join(summary)} ({num_classes} classes, {image_size} px)")

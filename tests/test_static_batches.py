@@ -16,9 +16,11 @@ unit = st.floats(0.0, 1.0, allow_nan=False, width=32)
 
 
 @st.composite
-def targets(draw: st.DrawFn, max_objects: int, mask_size: int | None = None) -> dict[str, torch.Tensor]:
+def targets(draw: st.DrawFn, max_objects: int, mask_size: int | None = None,
+            keypoints: int = 0) -> dict[str, torch.Tensor]:
     """An rfdetr target after its transforms: normalised cxcywh boxes, any class ids, an original size; with
-    ``mask_size`` also random bool instance masks (a seg variant's ``masks``)."""
+    ``mask_size`` also random bool instance masks (a seg variant's ``masks``), with ``keypoints`` that many random
+    ``(x, y, visibility)`` per object (the keypoint model's ``keypoints``)."""
     n = draw(st.integers(0, max_objects))
     boxes = torch.tensor(draw(st.lists(st.tuples(unit, unit, unit, unit), min_size=n, max_size=n)),
                          dtype=torch.float32).reshape(n, 4)
@@ -29,6 +31,10 @@ def targets(draw: st.DrawFn, max_objects: int, mask_size: int | None = None) -> 
     if mask_size is not None:
         seed = draw(st.integers(0, 2**31))
         target["masks"] = torch.rand(n, mask_size, mask_size, generator=torch.Generator().manual_seed(seed)) > 0.5
+    if keypoints:
+        generator = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+        target["keypoints"] = torch.rand(n, keypoints, 3, generator=generator)
+        target["keypoints"][..., 2] = torch.randint(0, 3, (n, keypoints), generator=generator).float()
     return target
 
 
@@ -42,8 +48,12 @@ def check_row(target: dict[str, torch.Tensor], row: dict[str, torch.Tensor], cap
     assert torch.equal(valid, torch.arange(cap) < kept)
     assert not boxes[~valid].any() and not labels[~valid].any()  # padding is zeros
     assert ((boxes >= 0) & (boxes <= 1)).all()
-    assert ("masks" in row) == ("masks" in target)
+    assert ("masks" in row) == ("masks" in target) and ("keypoints" in row) == ("keypoints" in target)
     masks = target.get("masks", torch.zeros(n, 1, 1, dtype=torch.bool))
+    points = target.get("keypoints", torch.zeros(n, 1, 3))
+    row_points = row.get("keypoints", torch.zeros(cap, 1, 3))
+    assert row_points.shape == (cap, *points.shape[1:]) and row_points.dtype == torch.float32
+    assert not row_points[~valid].any()
     row_masks = torch.zeros(cap, 1, 1, dtype=torch.bool)
     if "masks" in row:
         size = masks.shape[-1]
@@ -53,19 +63,23 @@ def check_row(target: dict[str, torch.Tensor], row: dict[str, torch.Tensor], cap
     if n <= cap:
         assert torch.equal(boxes[:n], target["boxes"]) and torch.equal(labels[:n], target["labels"])
         assert torch.equal(row_masks[:n], masks) or "masks" not in row
-    else:  # the cap's worth of largest boxes, each with its own label and mask
+        assert torch.equal(row_points[:n], points) or "keypoints" not in row
+    else:  # the cap's worth of largest boxes, each with its own label, mask and keypoints
         areas = target["boxes"][:, 2] * target["boxes"][:, 3]
         assert torch.equal(torch.sort(boxes[:, 2] * boxes[:, 3]).values, torch.sort(areas.topk(cap).values).values)
-        objects = {(tuple(b.tolist()), int(c), m.numpy().tobytes())
-                   for b, c, m in zip(target["boxes"], target["labels"], masks)}
-        assert all((tuple(b.tolist()), int(c), m.numpy().tobytes()) in objects
-                   for b, c, m in zip(boxes, labels, row_masks))
+        if "keypoints" not in row:
+            row_points = torch.zeros(cap, 1, 3)
+        objects = {(tuple(b.tolist()), int(c), m.numpy().tobytes(), p.numpy().tobytes())
+                   for b, c, m, p in zip(target["boxes"], target["labels"], masks, points)}
+        assert all((tuple(b.tolist()), int(c), m.numpy().tobytes(), p.numpy().tobytes()) in objects
+                   for b, c, m, p in zip(boxes, labels, row_masks, row_points))
 
 
 @settings(max_examples=200, deadline=None)
-@given(cap=st.integers(1, 12), mask_size=st.sampled_from([None, 5, 16]), data=st.data())
-def test_pad_target_is_static_and_exact(cap: int, mask_size: int | None, data: st.DataObject) -> None:
-    target = data.draw(targets(max_objects=2 * cap + 2, mask_size=mask_size))
+@given(cap=st.integers(1, 12), mask_size=st.sampled_from([None, 5, 16]), keypoints=st.sampled_from([0, 1, 17]),
+       data=st.data())
+def test_pad_target_is_static_and_exact(cap: int, mask_size: int | None, keypoints: int, data: st.DataObject) -> None:
+    target = data.draw(targets(max_objects=2 * cap + 2, mask_size=mask_size, keypoints=keypoints))
     check_row(target, pad_target(target, cap), cap)
 
 

@@ -47,13 +47,14 @@ from spmd_rfdetr.xla.hosts import host_rows
 
 
 def pad_target(target: dict[str, torch.Tensor], max_targets: int) -> dict[str, torch.Tensor]:
-    """``boxes [T, 4]``, ``labels [T]``, ``valid [T]`` (and packed ``masks`` when the target has masks) for one image;
-    beyond ``max_targets`` the largest boxes are kept."""
-    boxes, labels, masks = target["boxes"], target["labels"], target.get("masks")
+    """``boxes [T, 4]``, ``labels [T]``, ``valid [T]`` (and packed ``masks``, ``keypoints [T, K, 3]`` when the target
+    has them) for one image; beyond ``max_targets`` the largest boxes are kept. Padding rows are zeros."""
+    boxes, labels, masks, keypoints = target["boxes"], target["labels"], target.get("masks"), target.get("keypoints")
     if len(labels) > max_targets:
         keep = torch.argsort(boxes[:, 2] * boxes[:, 3], descending=True, stable=True)[:max_targets]
         boxes, labels = boxes[keep], labels[keep]
         masks = masks[keep] if masks is not None else None
+        keypoints = keypoints[keep] if keypoints is not None else None
     n = len(labels)
     padded_boxes = torch.zeros(max_targets, 4, dtype=torch.float32)
     padded_labels = torch.zeros(max_targets, dtype=torch.int64)
@@ -61,6 +62,9 @@ def pad_target(target: dict[str, torch.Tensor], max_targets: int) -> dict[str, t
     padded = {"boxes": padded_boxes, "labels": padded_labels, "valid": torch.arange(max_targets) < n}
     if masks is not None:
         padded["masks"] = pack_masks(masks, max_targets)
+    if keypoints is not None:
+        padded["keypoints"] = torch.zeros(max_targets, *keypoints.shape[1:], dtype=torch.float32)
+        padded["keypoints"][:n] = keypoints
     return padded
 
 
@@ -106,16 +110,18 @@ class StaticCollate:
 
 
 def blank_batch(rows: int, size: int, max_targets: int, read_at: int | None = None, masks: bool = False,
-                ) -> dict[str, torch.Tensor]:
+                keypoints: int = 0) -> dict[str, torch.Tensor]:
     """A host batch of zeros shaped as the train loader's batches of ``rows`` images at ``size`` (collated by
     :class:`StaticCollate` itself, so keys, shapes and dtypes match): compiling a bucket's program needs only that.
     ``read_at``: the size a multi-scale train split reads images at (a bucket of another size is resized: float32);
-    ``masks``: with instance masks (the ``seg-*`` variants)."""
+    ``masks``: with instance masks (the ``seg-*`` variants); ``keypoints``: with that many keypoints per target."""
     read_at = size if read_at is None else read_at
     target = {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64),
               "image_id": torch.zeros((), dtype=torch.int64), "orig_size": torch.tensor([read_at, read_at])}
     if masks:
         target["masks"] = torch.zeros(0, read_at, read_at, dtype=torch.bool)
+    if keypoints:
+        target["keypoints"] = torch.zeros(0, keypoints, 3)
     image = torch.zeros(3, read_at, read_at, dtype=torch.uint8)
     return StaticCollate(max_targets, read_at)([(image, target, size)] * rows)
 

@@ -108,3 +108,63 @@ def test_keypoint_match_costs_per_image_equal_rfdetrs_over_the_batch(schema):
                                        equal_nan=True, msg=f"{name}, image {b}")
         first += n
     assert sum(torch.isfinite(c).sum() for c in ours) > 0
+
+
+def test_criterion_on_rfdetrs_keypoint_model_equals_upstreams() -> None:
+    """rfdetr's keypoint model (tiny, from scratch) in train mode; our criterion on a padded static batch, batched
+    over images and layers (its matcher pricing the keypoint costs), against upstream's ``SetCriterion`` with its
+    SciPy matcher on the unpadded targets: every loss term of every layer, and the gradients."""
+    from rfdetr.config import KeypointTrainConfig, RFDETRKeypointPreviewConfig
+    from rfdetr.models.lwdetr import build_criterion_from_config, build_model_from_config
+
+    from spmd_rfdetr.model.loss import build_criterion, stack_targets, total_loss
+
+    model_cfg = RFDETRKeypointPreviewConfig(pretrain_weights=None, device="cpu", resolution=96, num_queries=6,
+                                            group_detr=2, dec_layers=2, num_classes=1)
+    train_cfg = KeypointTrainConfig(dataset_dir=".", output_dir=".")
+    torch.manual_seed(0)
+    net = build_model_from_config(model_cfg, train_cfg).train()
+    with torch.no_grad():
+        outputs = net(torch.rand(2, 3, 96, 96))
+    leaves: list[torch.Tensor] = []
+
+    def leaf(value):  # every output tensor a leaf of its own, so both criteria's gradients can be compared
+        if isinstance(value, torch.Tensor):
+            leaves.append(value.clone().requires_grad_())
+            return leaves[-1]
+        if isinstance(value, dict):
+            return {k: leaf(v) for k, v in value.items()}
+        return [leaf(v) for v in value] if isinstance(value, list) else value
+
+    outputs = leaf(outputs)
+    assert {"pred_keypoints"} <= set(outputs) and outputs["pred_keypoints"].shape == (2, 12, 17, 8)
+    g = torch.Generator().manual_seed(3)
+    counts, slots = [3, 1], 4
+    real = []
+    for n in counts:
+        keypoints = torch.rand(n, 17, 3, generator=g)
+        keypoints[..., 2] = torch.randint(0, 3, (n, 17), generator=g).float()
+        keypoints[keypoints[..., 2] == 0] = 0.0
+        real.append({"labels": torch.zeros(n, dtype=torch.long), "boxes": torch.rand(n, 4, generator=g) * 0.4 + 0.2,
+                     "keypoints": keypoints})
+    padded = [{"labels": torch.zeros(slots, dtype=torch.long), "boxes": torch.zeros(slots, 4),
+               "keypoints": torch.zeros(slots, 17, 3), "valid": torch.arange(slots) < n} for n in counts]
+    for p, t, n in zip(padded, real, counts):
+        p["boxes"][:n], p["keypoints"][:n] = t["boxes"], t["keypoints"]
+
+    upstream = build_criterion_from_config(model_cfg, train_cfg)[0].train()
+    reference = upstream(outputs, real)
+    expected = torch.autograd.grad(total_loss(reference, upstream.weight_dict), leaves, allow_unused=True)
+    ours = build_criterion(build_criterion_from_config(model_cfg, train_cfg)[0]).train()
+    assert ours.batched and ours.keypoints
+    batch = {**stack_targets(padded), "keypoints": torch.stack([p["keypoints"] for p in padded])}
+    got = ours(outputs, batch)
+    assert set(got) == set(reference) and {f"{k}_enc" for k in KEYPOINT_LOSSES} <= set(got)
+    for key in reference:
+        torch.testing.assert_close(got[key], reference[key], rtol=1e-5, atol=1e-5, msg=key)
+    grads = torch.autograd.grad(total_loss(got, ours.weight_dict), leaves, allow_unused=True)
+    for mine, theirs in zip(grads, expected):
+        if theirs is None:
+            assert mine is None or not mine.any()
+        else:
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)

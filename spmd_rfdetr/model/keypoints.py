@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor
 
+from spmd_rfdetr.xla.mesh import take_rows
+
 #: rfdetr's keypoint loss names, in ``weight_dict`` order (each also per aux layer ``_i`` and for ``_enc``).
 KEYPOINT_LOSSES = ("loss_keypoints_l1", "loss_keypoints_findable", "loss_keypoints_visible", "loss_keypoints_nll")
 
@@ -83,6 +85,19 @@ def keypoint_losses(pred: Tensor, target: Tensor, classes: Tensor, areas: Tensor
     weight = valid.to(pred.dtype)
     terms = target_keypoint_losses(pred, target, classes, areas, schema)
     return {f"{name}{suffix}": (term * weight).sum() / num_boxes for name, term in zip(KEYPOINT_LOSSES, terms)}
+
+
+def matched_keypoint_losses(pred: Tensor, query: Tensor, batch: dict[str, Tensor], num_boxes: Tensor,
+                            schema: list[int], suffix: str) -> dict[str, Tensor]:
+    """rfdetr's ``loss_keypoints`` of one layer: ``pred [B, Q, S, D]`` at the matched queries ``query [B, M]`` (match
+    ``m`` is target slot ``m % T``), taken as whole rows of each image."""
+    batch_size, _, slots, dim = pred.shape
+    repeat = query.shape[1] // batch["labels"].shape[1]
+    matched = take_rows(pred.flatten(2), query).view(batch_size, -1, slots, dim)
+    boxes = batch["boxes"].repeat(1, repeat, 1)
+    return keypoint_losses(matched, batch["keypoints"].repeat(1, repeat, 1, 1), batch["labels"].repeat(1, repeat),
+                           boxes[..., 2] * boxes[..., 3], batch["valid"].repeat(1, repeat), num_boxes, schema, suffix)
+
 
 
 def keypoint_match_costs(pred: Tensor, target: Tensor, classes: Tensor, areas: Tensor,

@@ -40,6 +40,7 @@ from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
 from spmd_rfdetr.model.inputs import targets_list
+from spmd_rfdetr.model.keypoints import keypoint_match_costs, matched_keypoint_losses
 from spmd_rfdetr.model.masks import mask_cost, mask_losses
 from spmd_rfdetr.model.matching import solve_assignment_with_stats
 from spmd_rfdetr.xla.mesh import on_each_shard, put_rows, take_rows
@@ -49,6 +50,8 @@ Solver = Literal["device", "scipy"]
 BATCHED_LOSSES = frozenset({"labels", "boxes", "cardinality"})
 #: ... and of the segmentation variants (:mod:`spmd_rfdetr.model.masks`).
 MASK_LOSSES = BATCHED_LOSSES | {"masks"}
+#: ... and of the keypoint model (:mod:`spmd_rfdetr.model.keypoints`).
+KEYPOINT_LOSSES = BATCHED_LOSSES | {"keypoints"}
 #: rfdetr's focal loss exponent in ``loss_labels``.
 _GAMMA = 2
 
@@ -118,6 +121,19 @@ class StaticShapeMatcher(HungarianMatcher):
         padded = torch.full((), _PADDED_TARGET_COST, dtype=cost.dtype, device=cost.device)  # not an f64 scalar input
         return torch.where(valid[:, None, :], cost, padded)
 
+    def keypoint_costs(self, pred_keypoints: list[Tensor], targets: dict[str, Tensor]) -> Tensor:
+        """rfdetr's weighted keypoint costs of ``L`` layers (its matcher weighs them by the keypoint loss
+        coefficients): ``[B, L*Q, T]``."""
+        areas = targets["boxes"][..., 2] * targets["boxes"][..., 3]
+        coefs = (self.keypoint_l1_loss_coef, self.keypoint_findable_loss_coef, self.keypoint_visible_loss_coef,
+                 self.keypoint_nll_loss_coef)
+        costs = []
+        for layer in pred_keypoints:
+            terms = keypoint_match_costs(layer, targets["keypoints"], targets["labels"], areas,
+                                         self.num_keypoints_per_class)
+            costs.append(sum(coef * term for coef, term in zip(coefs, terms)))
+        return torch.stack(costs, dim=1).flatten(1, 2)
+
     def mask_costs(self, pred_masks: list[dict[str, Tensor]], targets: dict[str, Tensor]) -> Tensor:
         """rfdetr's weighted mask costs of ``L`` layers (one point draw each, in layer order): ``[B, L*Q, T]``."""
         costs = []
@@ -128,18 +144,24 @@ class StaticShapeMatcher(HungarianMatcher):
 
     @torch.no_grad()
     def assign(self, logits: Tensor, boxes: Tensor, targets: dict[str, Tensor], group_detr: int,
-               pred_masks: list[dict[str, Tensor]] | None = None) -> Tensor:
+               pred_masks: list[dict[str, Tensor]] | None = None,
+               pred_keypoints: list[Tensor] | None = None) -> Tensor:
         """Match ``L`` layers at once: ``logits [B, L, Q, C]``, ``boxes [B, L, Q, 4]`` -> ``[B, L, G*T]`` int64, the
         query of target slot ``t`` in group ``g`` at position ``g*T + t`` (rfdetr's group DETR: each group of
         ``Q/G`` queries is matched on its own). ``pred_masks``: each layer's sparse mask outputs (seg variants), whose
-        mask costs enter the cost as in rfdetr's matcher."""
+        mask costs enter the cost as in rfdetr's matcher; ``pred_keypoints``: each layer's ``[B, Q, S, 8]`` keypoints
+        (the keypoint model), whose costs enter likewise."""
         batch, layers, queries, _ = logits.shape
         slots = targets["labels"].shape[1]
         per_group = queries // group_detr
         if slots > per_group:
             raise ValueError(f"max_targets={slots} exceeds the {per_group} queries per group; lower data.max_targets")
         extra = self.mask_costs(pred_masks, targets) if pred_masks is not None else None
+        if pred_keypoints is not None:
+            extra = self.keypoint_costs(pred_keypoints, targets)
         cost = self.cost(logits.flatten(1, 2), boxes.flatten(1, 2), targets, extra)  # [B, L*Q, T]
+        if pred_keypoints is not None:  # a non-finite keypoint logit makes its query's row non-finite
+            cost = _finite_costs(cost)
         problems = cost.reshape(batch * layers * group_detr, per_group, slots)  # image-major: each device its own
         valid = targets["valid"][:, None, :].expand(batch, layers * group_detr, slots).reshape(-1, slots)
         query = self._solve(problems, valid).view(batch, layers, group_detr, slots)
@@ -188,6 +210,15 @@ class StaticShapeMatcher(HungarianMatcher):
         return _pairs(query[:, 0], group_detr)
 
 
+def _finite_costs(cost: Tensor) -> Tensor:
+    """rfdetr's ``_sanitize_cost_matrix`` on the device: non-finite costs become one value above every finite one
+    (the largest finite cost plus the largest finite magnitude plus 1)."""
+    finite = torch.isfinite(cost)
+    largest = torch.where(finite, cost, torch.full_like(cost, -torch.inf)).max()
+    magnitude = torch.where(finite, cost.abs(), torch.zeros_like(cost)).max()
+    return torch.where(finite, cost, largest + magnitude + 1.0)
+
+
 def _pairs(query: Tensor, group_detr: int) -> list[tuple[Tensor, Tensor]]:
     """``[B, G*T]`` query indices -> rfdetr's per-image ``(query_index, target_index)`` pairs."""
     slots = query.shape[1] // group_detr
@@ -232,14 +263,19 @@ class StaticSetCriterion(torch.nn.Module):
     def __init__(self, upstream: SetCriterion, solver: Solver = "device") -> None:
         super().__init__()
         m = upstream.matcher
-        self.matcher = StaticShapeMatcher(cost_class=m.cost_class, cost_bbox=m.cost_bbox, cost_giou=m.cost_giou,
-                                          focal_alpha=m.focal_alpha, mask_point_sample_ratio=m.mask_point_sample_ratio,
-                                          cost_mask_ce=m.cost_mask_ce, cost_mask_dice=m.cost_mask_dice, solver=solver)
+        self.matcher = StaticShapeMatcher(
+            cost_class=m.cost_class, cost_bbox=m.cost_bbox, cost_giou=m.cost_giou, focal_alpha=m.focal_alpha,
+            mask_point_sample_ratio=m.mask_point_sample_ratio, cost_mask_ce=m.cost_mask_ce,
+            cost_mask_dice=m.cost_mask_dice, num_keypoints_per_class=m.num_keypoints_per_class,
+            keypoint_l1_loss_coef=m.keypoint_l1_loss_coef, keypoint_findable_loss_coef=m.keypoint_findable_loss_coef,
+            keypoint_visible_loss_coef=m.keypoint_visible_loss_coef, keypoint_nll_loss_coef=m.keypoint_nll_loss_coef,
+            solver=solver)
         upstream.matcher = self.matcher
         upstream.register_forward_pre_hook(_match_all_layers, with_kwargs=True)
         self.upstream = upstream
         self.masks = "masks" in upstream.losses
-        self.batched = (solver == "device" and set(upstream.losses) in (BATCHED_LOSSES, MASK_LOSSES)
+        self.keypoints = "keypoints" in upstream.losses
+        self.batched = (solver == "device" and set(upstream.losses) in (BATCHED_LOSSES, MASK_LOSSES, KEYPOINT_LOSSES)
                         and upstream.ia_bce_loss)
 
     @property
@@ -266,7 +302,9 @@ class StaticSetCriterion(torch.nn.Module):
             logits = torch.stack([layers[k]["pred_logits"] for k in index], dim=1)
             boxes = torch.stack([layers[k]["pred_boxes"] for k in index], dim=1)
             pred_masks = [layers[k]["pred_masks"] for k in index] if self.masks else None
-            query = self.matcher.assign(logits.detach(), boxes.detach(), batch, _groups(self.upstream), pred_masks)
+            pred_keypoints = [layers[k]["pred_keypoints"].detach() for k in index] if self.keypoints else None
+            query = self.matcher.assign(logits.detach(), boxes.detach(), batch, _groups(self.upstream), pred_masks,
+                                        pred_keypoints)
             terms = detection_losses(logits, boxes, query, batch, num_boxes, self.upstream.focal_alpha)
             for j, k in enumerate(index):
                 losses.update({name + suffixes[k]: value[j] for name, value in terms.items() if name != "class_error"})
@@ -276,6 +314,9 @@ class StaticSetCriterion(torch.nn.Module):
                     terms_k = mask_losses(layers[k]["pred_masks"], query[:, j], batch, num_boxes,
                                           self.upstream.mask_point_sample_ratio)
                     losses.update({name + suffixes[k]: value for name, value in terms_k.items()})
+                if self.keypoints:
+                    losses.update(matched_keypoint_losses(layers[k]["pred_keypoints"], query[:, j], batch, num_boxes,
+                                                          self.upstream.num_keypoints_per_class, suffixes[k]))
         return losses
 
 

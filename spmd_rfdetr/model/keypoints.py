@@ -1,4 +1,4 @@
-"""rfdetr's keypoint losses (``SetCriterion.loss_keypoints``) on static batches, for rfdetr's GroupPose keypoint model.
+"""rfdetr's keypoint losses and matching costs on static batches, for rfdetr's GroupPose keypoint model.
 
 rfdetr's per-target arithmetic is ``compute_l1_keypoint_loss`` (``rfdetr/models/heads/keypoints.py``): an
 area-normalised L1 over the findable keypoints, a findable and a visible BCE over every keypoint slot of the target's
@@ -39,8 +39,9 @@ def target_keypoint_losses(pred: Tensor, target: Tensor, classes: Tensor, areas:
     hit = classes[..., None] == torch.arange(len(schema), device=pred.device)  # [..., C]; none when out of schema
     picked = torch.where(hit[..., None, None], by_class, torch.zeros_like(by_class)).sum(dim=-3)  # [..., kpad, D]
     slots = torch.arange(kpad, device=pred.device)
-    counts = torch.tensor(list(schema), device=pred.device)
-    active = (slots < (hit.long() * counts).sum(dim=-1)[..., None])  # [..., kpad]: the class's keypoint slots
+    active = torch.zeros_like(picked[..., 0], dtype=torch.bool)  # [..., kpad]: the class's keypoint slots
+    for c, count in enumerate(schema):  # (a device tensor of the counts would be a host transfer in every trace)
+        active = active | (hit[..., c, None] & (slots < count))
 
     area = areas.to(torch.float32)
     eps = torch.finfo(area.dtype).eps
@@ -97,7 +98,6 @@ def matched_keypoint_losses(pred: Tensor, query: Tensor, batch: dict[str, Tensor
     boxes = batch["boxes"].repeat(1, repeat, 1)
     return keypoint_losses(matched, batch["keypoints"].repeat(1, repeat, 1, 1), batch["labels"].repeat(1, repeat),
                            boxes[..., 2] * boxes[..., 3], batch["valid"].repeat(1, repeat), num_boxes, schema, suffix)
-
 
 
 def keypoint_match_costs(pred: Tensor, target: Tensor, classes: Tensor, areas: Tensor,

@@ -10,6 +10,7 @@ from rfdetr.models.criterion import SetCriterion
 from rfdetr.models.heads.keypoints import compute_keypoint_matching_cost
 from rfdetr.models.matcher import HungarianMatcher
 
+from spmd_rfdetr.data.batches import pad_target
 from spmd_rfdetr.model.keypoints import KEYPOINT_LOSSES, keypoint_losses, keypoint_match_costs
 
 QUERIES, SLOTS = 12, 5
@@ -42,6 +43,12 @@ def _draw(schema: list[int], counts: list[int], seed: int = 0) -> tuple[torch.Te
     return pred, targets
 
 
+def _padded(targets: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The per-image targets padded to ``SLOTS`` slots as the train loader pads them (``data.batches.pad_target``)."""
+    rows = [pad_target(t, SLOTS) for t in targets]
+    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+
+
 @pytest.mark.parametrize("schema", [[17], [0, 5]], ids=["person", "two-classes"])
 def test_keypoint_losses_on_a_padded_batch_equal_rfdetrs_on_the_targets(schema):
     counts = [3, 4, 0]
@@ -54,20 +61,16 @@ def test_keypoint_losses_on_a_padded_batch_equal_rfdetrs_on_the_targets(schema):
     theirs_pred = pred.clone().requires_grad_()
     theirs = upstream.loss_keypoints({"pred_keypoints": theirs_pred}, targets, indices, num_boxes)
 
-    # the static batch: every image SLOTS target slots, padding zero (as data.batches pads), each slot's matched query
-    kpad, batch = max(schema), len(counts)
-    keypoints, boxes = torch.zeros(batch, SLOTS, kpad, 3), torch.zeros(batch, SLOTS, 4)
-    labels, valid = torch.zeros(batch, SLOTS, dtype=torch.long), torch.zeros(batch, SLOTS, dtype=torch.bool)
-    query = torch.zeros(batch, SLOTS, dtype=torch.long)
-    for b, (t, (src, tgt)) in enumerate(zip(targets, indices)):
-        n = len(tgt)
-        keypoints[b, :n], boxes[b, :n], labels[b, :n], valid[b, :n] = (t["keypoints"][tgt], t["boxes"][tgt],
-                                                                       t["labels"][tgt], True)
+    # the static batch (every image SLOTS target slots, as data.batches pads them) and each slot's matched query
+    batch = _padded(targets)
+    query = torch.zeros(len(counts), SLOTS, dtype=torch.long)
+    for b, (src, tgt) in enumerate(indices):
         leftover = [q for q in range(QUERIES) if q not in src.tolist()]
-        query[b] = torch.cat([src, torch.tensor(leftover[:SLOTS - n], dtype=torch.long)])
+        query[b] = torch.cat([src[torch.argsort(tgt)], torch.tensor(leftover[:SLOTS - len(tgt)], dtype=torch.long)])
     ours_pred = pred.clone().requires_grad_()
     at_slots = ours_pred.gather(1, query[:, :, None, None].expand(-1, -1, *pred.shape[2:]))
-    ours = keypoint_losses(at_slots, keypoints, labels, boxes[..., 2] * boxes[..., 3], valid, num_boxes, schema)
+    areas = batch["boxes"][..., 2] * batch["boxes"][..., 3]
+    ours = keypoint_losses(at_slots, batch["keypoints"], batch["labels"], areas, batch["valid"], num_boxes, schema)
 
     assert set(ours) == set(theirs) == set(KEYPOINT_LOSSES)
     for name in KEYPOINT_LOSSES:
@@ -79,17 +82,6 @@ def test_keypoint_losses_on_a_padded_batch_equal_rfdetrs_on_the_targets(schema):
     torch.testing.assert_close(ours_pred.grad, theirs_pred.grad, rtol=1e-5, atol=1e-7)
 
 
-def _padded(targets: list[dict[str, torch.Tensor]], kpad: int) -> dict[str, torch.Tensor]:
-    """The per-image targets padded to ``SLOTS`` zero slots (as ``data.batches`` pads them)."""
-    batch = len(targets)
-    out = {"keypoints": torch.zeros(batch, SLOTS, kpad, 3), "boxes": torch.zeros(batch, SLOTS, 4),
-           "labels": torch.zeros(batch, SLOTS, dtype=torch.long)}
-    for b, t in enumerate(targets):
-        for key in out:
-            out[key][b, :len(t["labels"])] = t[key]
-    return out
-
-
 @pytest.mark.parametrize("schema", [[17], [0, 5]], ids=["person", "two-classes"])
 def test_keypoint_match_costs_per_image_equal_rfdetrs_over_the_batch(schema):
     counts = [3, 4, 0]
@@ -97,7 +89,7 @@ def test_keypoint_match_costs_per_image_equal_rfdetrs_over_the_batch(schema):
     everything = {key: torch.cat([t[key] for t in targets]) for key in ("keypoints", "boxes", "labels")}
     theirs = compute_keypoint_matching_cost(pred, everything["keypoints"], everything["labels"],
                                             everything["boxes"][:, 2] * everything["boxes"][:, 3], schema)
-    padded = _padded(targets, max(schema))
+    padded = _padded(targets)
     ours = keypoint_match_costs(pred, padded["keypoints"], padded["labels"],
                                 padded["boxes"][..., 2] * padded["boxes"][..., 3], schema)
     first = 0
@@ -117,7 +109,7 @@ def test_criterion_on_rfdetrs_keypoint_model_equals_upstreams() -> None:
     from rfdetr.config import KeypointTrainConfig, RFDETRKeypointPreviewConfig
     from rfdetr.models.lwdetr import build_criterion_from_config, build_model_from_config
 
-    from spmd_rfdetr.model.loss import build_criterion, stack_targets, total_loss
+    from spmd_rfdetr.model.loss import build_criterion, total_loss
 
     model_cfg = RFDETRKeypointPreviewConfig(pretrain_weights=None, device="cpu", resolution=96, num_queries=6,
                                             group_detr=2, dec_layers=2, num_classes=1)
@@ -139,7 +131,7 @@ def test_criterion_on_rfdetrs_keypoint_model_equals_upstreams() -> None:
     outputs = leaf(outputs)
     assert {"pred_keypoints"} <= set(outputs) and outputs["pred_keypoints"].shape == (2, 12, 17, 8)
     g = torch.Generator().manual_seed(3)
-    counts, slots = [3, 1], 4
+    counts = [3, 1]
     real = []
     for n in counts:
         keypoints = torch.rand(n, 17, 3, generator=g)
@@ -147,18 +139,13 @@ def test_criterion_on_rfdetrs_keypoint_model_equals_upstreams() -> None:
         keypoints[keypoints[..., 2] == 0] = 0.0
         real.append({"labels": torch.zeros(n, dtype=torch.long), "boxes": torch.rand(n, 4, generator=g) * 0.4 + 0.2,
                      "keypoints": keypoints})
-    padded = [{"labels": torch.zeros(slots, dtype=torch.long), "boxes": torch.zeros(slots, 4),
-               "keypoints": torch.zeros(slots, 17, 3), "valid": torch.arange(slots) < n} for n in counts]
-    for p, t, n in zip(padded, real, counts):
-        p["boxes"][:n], p["keypoints"][:n] = t["boxes"], t["keypoints"]
 
     upstream = build_criterion_from_config(model_cfg, train_cfg)[0].train()
     reference = upstream(outputs, real)
     expected = torch.autograd.grad(total_loss(reference, upstream.weight_dict), leaves, allow_unused=True)
     ours = build_criterion(build_criterion_from_config(model_cfg, train_cfg)[0]).train()
     assert ours.batched and ours.keypoints
-    batch = {**stack_targets(padded), "keypoints": torch.stack([p["keypoints"] for p in padded])}
-    got = ours(outputs, batch)
+    got = ours(outputs, _padded(real))
     assert set(got) == set(reference) and {f"{k}_enc" for k in KEYPOINT_LOSSES} <= set(got)
     for key in reference:
         torch.testing.assert_close(got[key], reference[key], rtol=1e-5, atol=1e-5, msg=key)
@@ -180,14 +167,13 @@ def test_keypoint_losses_and_costs_trace_on_xla_as_one_graph_without_host_reads(
 
     schema = [0, 5]
     pred, targets = _draw(schema, [3, 4, 0], seed=4)
-    padded = _padded(targets, max(schema))
-    areas, valid = padded["boxes"][..., 2] * padded["boxes"][..., 3], padded["labels"] >= 0
-    valid[2] = False
+    padded = _padded(targets)
+    areas, valid = padded["boxes"][..., 2] * padded["boxes"][..., 3], padded["valid"]
     num_boxes = torch.tensor(7.0)
 
     def inputs(device: torch.device) -> tuple[torch.Tensor, ...]:
-        return (pred.detach().clone().to(device), padded["keypoints"].to(device), padded["labels"].to(device), areas.to(device),
-                valid.to(device), num_boxes.to(device))
+        tensors = (pred.detach().clone(), padded["keypoints"], padded["labels"], areas, valid, num_boxes)
+        return tuple(t.to(device) for t in tensors)
 
     def compute(leaf, keypoints, labels, areas, valid, num_boxes):
         leaf.requires_grad_()

@@ -140,10 +140,7 @@ def _class_costs(pred: Tensor, target: Tensor, areas: Tensor) -> tuple[Tensor, T
 
     factors = pred[..., 4:7].to(torch.float32)  # [B, Q, K, 3]
     finite_pred = torch.isfinite(pred_xy).all(dim=-1) & torch.isfinite(factors).all(dim=-1)
-    dx, dy = diff[..., 0], diff[..., 1]
-    u0 = factors[..., 0].exp()[:, :, None] * dx + factors[..., 1][:, :, None] * dy
-    u1 = factors[..., 2].exp()[:, :, None] * dy
-    maha2 = u0 * u0 + u1 * u1
+    u0, u1, maha2 = _whitened(diff, factors[:, :, None])  # [B, Q, T, K]
     used = seen[:, None] & finite_pred[:, :, None] & torch.isfinite(u0) & torch.isfinite(u1) & torch.isfinite(maha2)
     nll = 0.5 * (maha2 / area.clamp_min(eps)[:, None, :, None]) - (factors[..., 0] + factors[..., 2])[:, :, None]
     nll = torch.nan_to_num(nll, nan=0.0, posinf=torch.finfo(nll.dtype).max / 2, neginf=torch.finfo(nll.dtype).min)

@@ -153,12 +153,13 @@ def train_data(run: Run, step_fn: TrainStep, start: int) -> TrainData:
     fabric = run.fabric
     fabric.strategy.prefetch = d.prefetch
     fabric.strategy.sync_each_batch = False  # every step mode runs its own programs
+    share = hosts.batch_share()  # (this host, hosts): each host loads its rows of every global batch
     loader = fabric.setup_dataloaders(make_train_loader(run.train_set, d, read_at, seed=cfg.trainer.seed,
-                                                        start_step=start, host=hosts.batch_share(), scales=buckets))
+                                                        start_step=start, host=share, scales=buckets))
     # Fabric's wrapper copied the loader's attributes once; its counters live in the loader under it
     data = TrainData(loader, loader._dataloader, buckets, warmup, read_at)
     if buckets and step_fn.mode == "replay":
-        rows, masks = d.global_batch_size // hosts.batch_share()[1], is_segmentation(cfg.model.variant)
+        rows, masks = d.global_batch_size // share[1], is_segmentation(cfg.model.variant)
 
         def blank(size: int) -> dict[str, Any]:
             return data.spmd_loader.place(blank_batch(rows, size, d.max_targets, read_at, masks=masks))

@@ -37,6 +37,7 @@ from spmd_rfdetr.config.options import (
     OptimOptions,
     RunConfig,
     TrainerOptions,
+    is_keypoint,
     is_segmentation,
 )
 from spmd_rfdetr.config.resolve import multi_scale_buckets, resolve_and_check, upstream_scales
@@ -64,7 +65,7 @@ def _num_classes(cfg: RunConfig) -> int:
         # lazy: data.splits imports rfdetr, which starts torch_xla: only after trace_programs' setup_runtime
         from spmd_rfdetr.data.splits import num_classes_in
 
-        return num_classes_in(cfg.data.dataset_dir)
+        return num_classes_in(cfg.data.dataset_dir, is_keypoint(cfg.model.variant))
     # lazy: model.upstream imports rfdetr, which starts torch_xla: only after trace_programs' setup_runtime
     from spmd_rfdetr.model.upstream import VARIANTS
 
@@ -114,7 +115,7 @@ def trace_programs(cfg: RunConfig, out: Path, train_only: bool = False) -> list[
     programs = []
     for size in sizes:
         batch = place(blank_batch(d.global_batch_size, size, d.max_targets, read_at,
-                                  masks=is_segmentation(cfg.model.variant)))
+                                  masks=is_segmentation(cfg.model.variant), keypoints=cfgs.keypoints_per_target))
         with module_labels({"": unwrap(trainer.model), "criterion": trainer.criterion}, step_scopes(trainer)):
             lowered = trainer.step.lower(batch)
         name = f"train_step {size}px"

@@ -17,13 +17,14 @@ class ModelOptions:
     """Which RF-DETR to build. Fields left ``None`` keep the variant's upstream default."""
 
     variant: Literal["nano", "small", "medium", "large", "base", "seg-nano", "seg-small", "seg-medium", "seg-large",
-                     "seg-xlarge", "seg-2xlarge", "seg-preview"] = "nano"
+                     "seg-xlarge", "seg-2xlarge", "seg-preview", "keypoint-preview"] = "nano"
     """RF-DETR size, as in ``rfdetr`` (``RFDETRNanoConfig`` ...); ``seg-*`` are rfdetr's instance-segmentation models
     (``RFDETRSegNano`` ...: a mask head, mask losses and segm mAP; the dataset needs a ``segmentation`` for every
-    annotation)."""
+    annotation); ``keypoint-preview`` is rfdetr's keypoint model (``RFDETRKeypointPreview``: GroupPose keypoints,
+    keypoint losses and OKS keypoint mAP; the keypoint schema and flip pairs come from the dataset, as in rfdetr)."""
     resolution: int | None = None
     """Square input resolution in pixels; must divide by the variant's ``patch_size * num_windows`` (rfdetr's model
-    config: 32 for Nano/Small/Medium/Large, 56 for Base, 12 for Seg Nano, 24 for the other ``seg-*``). ``None``: the
+    config: 32 for Nano/Small/Medium/Large, 56 for Base, 12 for Seg Nano, 24 for the other ``seg-*`` and ``keypoint-preview``). ``None``: the
     variant's default."""
     num_queries: int | None = None
     """Object queries per group at inference (``None``: the variant's default, 300; 100-300 for the ``seg-*``
@@ -299,12 +300,18 @@ VARIANT_CONFIGS = {
     "seg-xlarge": "RFDETRSegXLargeConfig",
     "seg-2xlarge": "RFDETRSeg2XLargeConfig",
     "seg-preview": "RFDETRSegPreviewConfig",
+    "keypoint-preview": "RFDETRKeypointPreviewConfig",
 }
 
 
 def is_segmentation(variant: str) -> bool:
     """Whether ``model.variant`` is one of rfdetr's instance-segmentation models (a mask head: ``seg-*``)."""
     return variant.startswith("seg-")
+
+
+def is_keypoint(variant: str) -> bool:
+    """Whether ``model.variant`` is rfdetr's keypoint model (GroupPose keypoint heads: ``keypoint-preview``)."""
+    return variant == "keypoint-preview"
 
 
 def variant_defaults(variant: str) -> dict[str, int]:

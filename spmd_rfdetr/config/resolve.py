@@ -8,8 +8,8 @@ import os
 import sys
 from importlib.metadata import version
 
-from spmd_rfdetr.config.options import (AUTO_WEIGHTS, ConfigError, ModelOptions, RunConfig, is_segmentation, logit_count,
-                                published_weights, resolved_weights, variant_defaults)
+from spmd_rfdetr.config.options import (AUTO_WEIGHTS, ConfigError, ModelOptions, RunConfig, is_keypoint, is_segmentation,
+                                        logit_count, published_weights, resolved_weights, variant_defaults)
 
 _warned: set[str] = set()  # warnings resolve_and_check has given in this process (each is given once)
 
@@ -118,7 +118,7 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
     problems += _model_problems(cfg)
     cfg.model.pretrain_weights = resolved_weights(cfg.model)  # auto: the variant's published file, as config.yaml says
     problems += _scale_problems(cfg)
-    problems += _segmentation_problems(cfg)
+    problems += _head_problems(cfg)
     mesh_ok = cfg.mesh.data == -1 or cfg.mesh.data >= 1
     if not mesh_ok:
         problems.append(f"mesh.data={cfg.mesh.data} must be >= 1, or -1 for every device")
@@ -307,14 +307,19 @@ def _scale_problems(cfg: RunConfig) -> list[str]:
     return []
 
 
-def _segmentation_problems(cfg: RunConfig) -> list[str]:
-    """What the ``seg-*`` variants do not train with (yet): each an error naming the setting to change."""
-    if not is_segmentation(cfg.model.variant):
+def _head_problems(cfg: RunConfig) -> list[str]:
+    """What the ``seg-*`` and keypoint variants do not train with (yet): each an error naming the setting to change."""
+    variant = cfg.model.variant
+    if is_segmentation(variant):
+        refuser = "mask loss refuses padded targets (SetCriterion.loss_masks)"
+    elif is_keypoint(variant):
+        refuser = "keypoint loss refuses padded targets (SetCriterion.loss_keypoints)"
+    else:
         return []
-    variant, problems = cfg.model.variant, []
+    problems = []
     if cfg.trainer.matcher == "scipy":
-        problems.append(f"trainer.matcher=scipy with model.variant={variant}: rfdetr's own mask loss refuses padded "
-                        "targets (SetCriterion.loss_masks); use trainer.matcher=device")
+        problems.append(f"trainer.matcher=scipy with model.variant={variant}: rfdetr's own {refuser}; use "
+                        "trainer.matcher=device")
     if cfg.trainer.compile_backend == "openxla":
         problems.append(f"trainer.compile_backend=openxla with model.variant={variant} is not supported yet; use "
                         "trainer.compile_backend=torch_xla")

@@ -27,9 +27,10 @@ log = logging.getLogger(__name__)
 SPLITS = {"train": "train", "valid": "val", "test": "test"}
 
 
-def num_classes_in(dataset_dir: str) -> int:
-    """Class count the way rfdetr's ``train()`` detects it (same category basis as its labels)."""
-    return RFDETR._detect_num_classes_for_training(dataset_dir)
+def num_classes_in(dataset_dir: str, keypoints: bool = False) -> int:
+    """Class count the way rfdetr's ``train()`` detects it (same category basis as its labels). ``keypoints``: the
+    keypoint model's label slots, where a Roboflow export's root category takes one too (rfdetr's keypoint basis)."""
+    return RFDETR._detect_num_classes_for_training(dataset_dir, use_grouppose_keypoints=keypoints)
 
 
 def class_names(dataset: Dataset[Any], num_classes: int) -> list[str]:

@@ -92,7 +92,7 @@ class CocoMetrics:
     max_dets: int = MAX_DETS
     """pycocotools' largest ``maxDets``: the detections per image mAP and the last AR count."""
     iou_type: str = "bbox"
-    """``bbox`` or ``segm`` (masks)."""
+    """``bbox``, ``segm`` (masks) or ``keypoints`` (OKS, :func:`spmd_rfdetr.eval.keypoints.oks_metrics`)."""
 
     def record(self, prefix: str = "eval/") -> dict[str, float]:
         """Flat ``{"eval/mAP": ...}`` for ``metrics.jsonl``."""
@@ -139,7 +139,7 @@ def coco_metrics(coco_gt: Any, results: list[dict[str, Any]], image_ids: Iterabl
     if iou_type == "segm":
         results = [{k: v for k, v in r.items() if k != "bbox"} for r in results]
     with contextlib.redirect_stdout(io.StringIO()):
-        dt = gt.loadRes([dict(r) for r in results]) if results else _empty_results(gt)  # loadRes adds keys
+        dt = gt.loadRes([dict(r) for r in results]) if results else empty_results(gt)  # loadRes adds keys
         evaluator = COCOeval(gt, dt, iouType=iou_type)
         evaluator.params.imgIds = img_ids
         evaluator.params.maxDets = [1, 10, max_dets]
@@ -147,16 +147,24 @@ def coco_metrics(coco_gt: Any, results: list[dict[str, Any]], image_ids: Iterabl
         evaluator.accumulate()
         patched_pycocotools_summarize(evaluator, log_summary=False)
     stats = {name: float(v) for name, v in zip(stat_names(max_dets), evaluator.stats)}
+    return CocoMetrics(stats, per_class_ap(evaluator, gt, img_ids, results), len(img_ids), len(results), max_dets,
+                       iou_type)
+
+
+def per_class_ap(evaluator: Any, gt: Any, img_ids: list[int], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """AP, AP50 and AP75 per category of an accumulated ``COCOeval`` (all areas, its largest maxDets), with the
+    category's ground-truth count; categories never annotated nor predicted (a Roboflow root category) left out."""
     precision = evaluator.eval["precision"]  # [iou T, recall R, class K, area A, maxDets M]
     gt_counts: dict[int, int] = {}
     for image_id in img_ids:
         for ann in gt.imgToAnns.get(image_id, []):
             if not ann.get("iscrowd", 0):
                 gt_counts[ann["category_id"]] = gt_counts.get(ann["category_id"], 0) + 1
+    predicted = {r["category_id"] for r in results}
     per_class = []
     for k, category_id in enumerate(evaluator.params.catIds):
-        if category_id not in gt_counts and not any(r["category_id"] == category_id for r in results):
-            continue  # e.g. a Roboflow root category: never annotated, never predicted
+        if category_id not in gt_counts and category_id not in predicted:
+            continue
         p = precision[:, :, k, 0, -1]
         per_class.append({
             "category_id": int(category_id),
@@ -166,10 +174,11 @@ def coco_metrics(coco_gt: Any, results: list[dict[str, Any]], image_ids: Iterabl
             "AP75": _mean_valid(p[5]),
             "num_gt": gt_counts.get(category_id, 0),
         })
-    return CocoMetrics(stats, per_class, len(img_ids), len(results), max_dets, iou_type)
+    return per_class
 
 
-def _empty_results(gt: Any) -> Any:
+def empty_results(gt: Any) -> Any:
+    """pycocotools' results object with no detections (``loadRes`` refuses an empty list)."""
     # lazy: scoring only, as coco_metrics' pycocotools imports
     from pycocotools.coco import COCO
 
@@ -190,10 +199,19 @@ def label2cat_of(dataset: Dataset[Any]) -> dict[int, int] | None:
     return {int(k): int(v) for k, v in mapping.items()} if mapping is not None else None
 
 
-def label2cat_for(dataset_dir: str) -> dict[int, int] | None:
-    """The train split's label -> category_id mapping of a Roboflow COCO dataset (what training used), if readable."""
+def label2cat_for(dataset_dir: str, keypoint_schema: list[int] | None = None) -> dict[int, int] | None:
+    """The train split's label -> category_id mapping of a Roboflow COCO dataset (what training used), if readable;
+    ``keypoint_schema`` (the keypoint model's ``num_keypoints_per_class``): rfdetr's keypoint label slots instead."""
     # lazy: rfdetr imports torch_xla, which must start after the device choice: this module loads without it
-    from rfdetr.datasets.coco import _train_split_cat2label
+    from rfdetr.datasets.coco import _build_keypoint_cat2label, _train_split_cat2label
 
+    train = Path(dataset_dir) / "train" / "_annotations.coco.json"
+    if keypoint_schema and train.is_file():
+        # lazy: pycocotools, only for a keypoint model's label slots
+        from pycocotools.coco import COCO
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            coco = COCO(str(train))
+        return {label: cat for cat, label in _build_keypoint_cat2label(coco, keypoint_schema).items()}
     cat2label = _train_split_cat2label(Path(dataset_dir)) if Path(dataset_dir).is_dir() else None
     return {label: cat for cat, label in cat2label.items()} if cat2label else None

@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 from spmd_rfdetr.config.options import RunConfig
 from spmd_rfdetr.eval.batches import eval_loader
 from spmd_rfdetr.eval.coco import MAX_DETS, CocoMetrics, coco_metrics, detections_to_coco, label2cat_of, mask_rles
+from spmd_rfdetr.eval.keypoints import decode_keypoints, keypoint_counts, keypoints_to_coco, oks_metrics
 from spmd_rfdetr.xla import hosts
 
 
@@ -94,7 +95,9 @@ class EvalForward:
     tensor of ``(score, label, x0, y0, x1, y1)`` rows, best first, boxes in pixels of the original image; for a model
     with rfdetr's mask head (the seg variants) also the selected queries' mask logits ``[B, num_select, R/4, R/4]``
     (rfdetr's PostProcess resizes them to each image's own size: done on the host, :func:`~spmd_rfdetr.eval.coco.
-    mask_rles`, as the sizes differ per image).
+    mask_rles`, as the sizes differ per image); for rfdetr's keypoint model also the detections' keypoints
+    ``[B, num_select, maxK, 3]`` (pixels, confidence), their scores fused with the keypoints' uncertainty as rfdetr's
+    PostProcess fuses them (:func:`~spmd_rfdetr.eval.keypoints.decode_keypoints`, ``trace_alpha``).
     """
 
     def __init__(
@@ -102,12 +105,17 @@ class EvalForward:
         model: torch.nn.Module,
         num_select: int,
         autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+        trace_alpha: float = 0.2,
     ) -> None:
         # lazy: rfdetr imports torch_xla, which must start after the device choice
         from rfdetr.models.postprocess import PostProcess
 
         self.model = getattr(model, "_forward_module", model)  # lightning's _FabricModule -> the real module
-        self.postprocess = PostProcess(num_select=num_select)
+        schema = list(getattr(self.model, "num_keypoints_per_class", None) or [])
+        keypoints = bool(getattr(self.model, "use_grouppose_keypoints", False)) and max(schema, default=0) > 0
+        #: ``"keypoints"``: the program returns the keypoints beside the rows (a seg model's masks: by its outputs).
+        self.head = "keypoints" if keypoints else None
+        self.postprocess = PostProcess(num_select=num_select, num_keypoints_per_class=schema, trace_alpha=trace_alpha)
         self.autocast = autocast
         self._compiled = torch.compile(self._forward, backend="openxla", fullgraph=True, dynamic=False)
 
@@ -125,7 +133,13 @@ class EvalForward:
         # rfdetr's own PostProcess steps (box-only path), batched: no per-image Python lists on the device.
         scores, labels, queries = self.postprocess._select_topk(logits)
         xyxy = self.postprocess._gather_and_scale_boxes(boxes, queries, orig_size)
+        keypoints = None
+        if self.head == "keypoints":  # rfdetr scores boxes with the fused scores too
+            scores, keypoints = decode_keypoints(outputs["pred_keypoints"], queries, labels, scores, orig_size,
+                                                 self.postprocess.num_keypoints_per_class, self.postprocess.trace_alpha)
         rows = torch.cat([scores.unsqueeze(-1), labels.unsqueeze(-1).to(scores.dtype), xyxy], dim=-1)
+        if keypoints is not None:
+            return rows, keypoints
         masks = outputs.get("pred_masks")
         if masks is None:
             return rows
@@ -177,10 +191,19 @@ class Detections:
     segmentations: list[list[dict[str, Any]]] | None = None
     """Seg variants: per image, its ``K`` detections' masks as COCO RLEs at the image's size (encoded batch by
     batch: the mask logits of a split never sit in host memory together), else ``None``."""
+    keypoints: np.ndarray | None = None
+    """The keypoint model: ``[N, K, maxK, 3]`` keypoints (pixels, confidence) of each row, else ``None``."""
 
     def to_coco(self, label2cat: dict[int, int] | None) -> list[dict[str, Any]]:
         """COCO results (with ``segmentation`` for a seg model)."""
         return detections_to_coco(self.rows, self.image_ids, label2cat, self.segmentations)
+
+    def keypoint_results(self, label2cat: dict[int, int] | None, counts: dict[int, int]) -> list[dict[str, Any]]:
+        """COCO keypoint results (no ``bbox``, as rfdetr's), each vector cut to its category's ``counts``."""
+        if self.keypoints is None:
+            return []
+        return keypoints_to_coco(self.keypoints, self.rows[..., 0], self.rows[..., 1], self.image_ids, label2cat,
+                                 counts)
 
 
 def run_detection(
@@ -198,17 +221,19 @@ def run_detection(
     ``None``: the same
     order, as on one host). Padding rows (id -1) are dropped here.
     """
-    parts: dict[str, list[Any]] = {"rows": [], "image_ids": [], "segmentations": []}
+    parts: dict[str, list[Any]] = {"rows": [], "image_ids": [], "segmentations": [], "keypoints": []}
     pending: tuple[Any, np.ndarray, np.ndarray] | None = None
 
     def collect(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor], image_id: np.ndarray,
                 orig_size: np.ndarray) -> None:
         real = image_id >= 0
-        rows, masks = out if isinstance(out, tuple) else (out, None)
+        rows, extra = out if isinstance(out, tuple) else (out, None)
         parts["rows"].append(rows.cpu().numpy()[real])
         parts["image_ids"].append(image_id[real])
-        if masks is not None:
-            logits = masks.cpu().numpy()
+        if forward.head == "keypoints":
+            parts["keypoints"].append(extra.cpu().numpy()[real])
+        elif extra is not None:  # a seg model's mask logits
+            logits = extra.cpu().numpy()
             parts["segmentations"] += [mask_rles(logits[i], tuple(orig_size[i])) for i in np.flatnonzero(real)]
 
     def in_global_order(rows: torch.Tensor) -> np.ndarray:
@@ -227,7 +252,8 @@ def run_detection(
     if not parts["rows"]:
         return Detections(np.zeros((0, 0, 6), np.float32), np.zeros((0,), np.int64))
     return Detections(np.concatenate(parts["rows"]), np.concatenate(parts["image_ids"]),
-                      parts["segmentations"] or None)
+                      parts["segmentations"] or None,
+                      np.concatenate(parts["keypoints"]) if parts["keypoints"] else None)
 
 
 @dataclass
@@ -240,14 +266,20 @@ class EvalResult:
     batches: int = 0
     segm: CocoMetrics | None = None
     """Mask metrics (seg variants): logged as ``eval/segm_mAP`` ..."""
+    keypoints: CocoMetrics | None = None
+    """OKS keypoint metrics (the keypoint model): logged as ``eval/kp_mAP`` ..."""
+    keypoint_detections: list[dict[str, Any]] | None = None
+    """The COCO keypoint results behind :attr:`keypoints`."""
 
     def record(self, prefix: str = "eval/") -> dict[str, float]:
-        """``{"eval/mAP": ...}`` (and ``eval/segm_mAP`` ... for a seg model) for ``metrics.jsonl``."""
-        return {**self.metrics.record(prefix), **(self.segm.record(f"{prefix}segm_") if self.segm else {})}
+        """``{"eval/mAP": ...}`` (and ``eval/segm_mAP`` ... for a seg model, ``eval/kp_mAP`` ... for the keypoint
+        model) for ``metrics.jsonl``."""
+        return {**self.metrics.record(prefix), **(self.segm.record(f"{prefix}segm_") if self.segm else {}),
+                **(self.keypoints.record(f"{prefix}kp_") if self.keypoints else {})}
 
     def table(self) -> str:
-        """The box summary and per-class table, then the mask one."""
-        return "\n".join(m.table() for m in (self.metrics, self.segm) if m is not None)
+        """The box summary and per-class table, then the mask or keypoint one."""
+        return "\n".join(m.table() for m in (self.metrics, self.segm, self.keypoints) if m is not None)
 
 
 class Evaluator:
@@ -289,19 +321,19 @@ class Evaluator:
         self.to_device = device_sender(mesh)
         self.order = hosts.mesh_row_order(mesh, global_batch_size)  # several hosts: the global batch's row order
 
-    def detect(self) -> tuple[list[dict[str, Any]], list[int], int]:
-        """COCO results of every image of the split, their image ids and the batch count."""
-        found = run_detection(self.forward, self.loader, self.to_device, self.order)
-        return found.to_coco(self.label2cat), found.image_ids.tolist(), len(self.loader)
-
     def run(self) -> EvalResult:
-        """Detect on the whole split, then score with COCOeval (host, process 0): boxes, and masks when the
-        detections have them."""
-        detections, ids, batches = self.detect()
-        segm = None
+        """Detect on the whole split, then score with COCOeval (host, process 0): boxes, and masks or keypoints
+        when the model predicts them."""
+        found = run_detection(self.forward, self.loader, self.to_device, self.order)
+        detections, ids = found.to_coco(self.label2cat), found.image_ids.tolist()
+        result = EvalResult(coco_metrics(self.coco_gt, detections, ids, self.max_dets), detections, ids,
+                            len(self.loader))
         if detections and "segmentation" in detections[0]:
-            segm = coco_metrics(self.coco_gt, detections, ids, self.max_dets, iou_type="segm")
-        return EvalResult(coco_metrics(self.coco_gt, detections, ids, self.max_dets), detections, ids, batches, segm)
+            result.segm = coco_metrics(self.coco_gt, detections, ids, self.max_dets, iou_type="segm")
+        if found.keypoints is not None:
+            result.keypoint_detections = found.keypoint_results(self.label2cat, keypoint_counts(self.coco_gt))
+            result.keypoints = oks_metrics(self.coco_gt, result.keypoint_detections, ids)
+        return result
 
 
 def device_sender(mesh: Any) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
@@ -315,17 +347,21 @@ def device_sender(mesh: Any) -> Callable[[dict[str, torch.Tensor]], dict[str, to
 
 
 def save_result(result: EvalResult, output_dir: str | Path, *, detections: bool = True, stem: str = "") -> Path:
-    """Write ``{stem}coco_eval.json`` (summary + per-class AP) and, optionally, ``{stem}detections.json``; on several
-    hosts (each holds the same global result) host 0 alone writes them. Returns the summary's path."""
+    """Write ``{stem}coco_eval.json`` (summary + per-class AP) and, optionally, ``{stem}detections.json`` (and the
+    keypoint model's ``{stem}keypoints.json``, the COCO keypoint results OKS scored); on several hosts (each holds the
+    same global result) host 0 alone writes them. Returns the summary's path."""
     out = Path(output_dir)
     summary = out / f"{stem}coco_eval.json"
     if not hosts.is_coordinator():
         return summary
     out.mkdir(parents=True, exist_ok=True)
     summary.write_text(json.dumps({**result.metrics.to_json(),
-                                   **({"segm": result.segm.to_json()} if result.segm else {})}, indent=1))
+                                   **({"segm": result.segm.to_json()} if result.segm else {}),
+                                   **({"keypoints": result.keypoints.to_json()} if result.keypoints else {})}, indent=1))
     if detections:
         (out / f"{stem}detections.json").write_text(json.dumps(result.detections))
+        if result.keypoint_detections is not None:
+            (out / f"{stem}keypoints.json").write_text(json.dumps(result.keypoint_detections))
     return summary
 
 

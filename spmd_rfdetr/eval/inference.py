@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from spmd_rfdetr.config.options import RunConfig
+from spmd_rfdetr.config.options import RunConfig, is_keypoint
 from spmd_rfdetr.config.resolve import resolve_and_check
 from spmd_rfdetr.data.check import check_data
 from spmd_rfdetr.eval.coco import label2cat_for
@@ -58,7 +58,7 @@ def load_for_inference(cfg: RunConfig, checkpoint: str) -> tuple[RunConfig, Any,
     from spmd_rfdetr.xla.mesh import build_mesh
     from spmd_rfdetr.model.upstream import build_model, upstream_configs
 
-    num_classes = cfg.model.num_classes or num_classes_in(cfg.data.dataset_dir)
+    num_classes = cfg.model.num_classes or num_classes_in(cfg.data.dataset_dir, is_keypoint(cfg.model.variant))
     fabric = spmd_fabric(build_mesh(cfg.mesh.data, cfg.mesh.fsdp), precision=PRECISIONS[cfg.trainer.precision])
     cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, num_classes, cfg.eval.num_select)
     net = build_model(cfgs)  # an rfdetr checkpoint is loaded here, by rfdetr (cfg.model.pretrain_weights)
@@ -90,7 +90,8 @@ def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
 
     Category ids are the dataset's (``data.dataset_dir``'s train split label mapping, as in training); boxes are
     ``[x, y, w, h]`` in pixels of each original image; ``num_select`` detections per image, no score threshold; a seg
-    model's detections also carry their mask as a COCO RLE ``segmentation`` at the image's size.
+    model's detections also carry their mask as a COCO RLE ``segmentation`` at the image's size, the keypoint model's
+    their ``keypoints`` (COCO's flat ``x, y, confidence`` per keypoint of the class, pixels; scores fused as rfdetr's).
     """
     cfg, fabric, cfgs, net = load_for_inference(cfg, checkpoint)
     check_data(cfg, [], images=images)  # every image of the folder readable, before the eval program compiles
@@ -99,7 +100,8 @@ def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
 
     folder = ImageFolder(images, uint8_pixels(eval_transforms(cfgs)))  # uint8 pixels, as an eval split's
     hosts.check_same_on_all_hosts(f"the number of images in {images}", len(folder))  # else: a hang
-    label2cat = label2cat_for(cfg.data.dataset_dir)
+    keypoints = cfgs.model.num_keypoints_per_class if cfgs.model.use_grouppose_keypoints else None
+    label2cat = label2cat_for(cfg.data.dataset_dir, keypoints)
     if label2cat is None:
         log.warning("%s has no readable train/_annotations.coco.json: category_id is the label index",
                     cfg.data.dataset_dir)
@@ -107,7 +109,13 @@ def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
     forward = EvalForward(net, num_select, fabric.strategy.precision.forward_context)
     loader = eval_loader(folder, batch_size, cfgs.model.resolution, cfg.data.num_workers)
     order = hosts.mesh_row_order(fabric.strategy.mesh, batch_size)  # several hosts: the global batch's row order
-    results = run_detection(forward, loader, device_sender(fabric.strategy.mesh), order).to_coco(label2cat)
+    found = run_detection(forward, loader, device_sender(fabric.strategy.mesh), order)
+    results = found.to_coco(label2cat)
+    if found.keypoints is not None:  # each detection's keypoints beside its box, as many as its class has (all
+        # maxK for a class without keypoints, as rfdetr's evaluator writes them)
+        counts = {label2cat.get(label, label) if label2cat else label: n for label, n in enumerate(keypoints) if n}
+        for result, points in zip(results, found.keypoint_results(label2cat, counts), strict=True):
+            result["keypoints"] = points["keypoints"]
     out = Path(output)
     if hosts.is_coordinator():  # several hosts hold the same global detections: host 0 writes them
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,30 +26,33 @@ import torch
 from spmd_rfdetr.xla.lowering import as_computed
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``softmax(q k^T / sqrt(d)) v`` for ``[B, H, L, d]`` tensors; see the module docstring for bf16/f16 inputs."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(d) + mask) v`` for ``[B, H, L, d]`` tensors (``mask``: an additive float ``[L, S]``,
+    ``-inf`` where blocked, as ``nn.MultiheadAttention`` takes it); see the module docstring for bf16/f16 inputs."""
     if q.dtype not in (torch.bfloat16, torch.float16):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    return _LowPrecisionAttention.apply(q, k, v)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return _LowPrecisionAttention.apply(q, k, v, mask)
 
 
-def _probabilities(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def _probabilities(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     scores = as_computed(torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-2, -1)))  # bf16, as eager's
-    return torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    scores = scores.float() if mask is None else scores.float() + mask.float()
+    return torch.softmax(scores, dim=-1).to(q.dtype)
 
 
 class _LowPrecisionAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = torch.matmul(_probabilities(q, k), v)
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        out = torch.matmul(_probabilities(q, k, mask), v)
         ctx.save_for_backward(q, k, v, out)
+        ctx.mask = mask  # a constant of the model (no gradient)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         q, k, v, out = ctx.saved_tensors
         grad_out = grad_out.to(q.dtype)
-        probs = _probabilities(q, k)
+        probs = _probabilities(q, k, ctx.mask)
         grad_probs = torch.matmul(grad_out, v.transpose(-2, -1))
         row = (grad_out.float() * out.float()).sum(dim=-1, keepdim=True)  # = rowsum(dP * P)
         grad_scores = (probs.float() * (grad_probs.float() - row)).to(q.dtype)
@@ -57,4 +60,4 @@ class _LowPrecisionAttention(torch.autograd.Function):
         grad_q = torch.matmul(grad_scores, k) * scale
         grad_k = torch.matmul(grad_scores.transpose(-2, -1), q) * scale
         grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)
-        return grad_q, grad_k, grad_v
+        return grad_q, grad_k, grad_v, None

@@ -14,7 +14,5 @@ def as_samples(images: torch.Tensor) -> NestedTensor:
 
 def targets_list(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """rfdetr's list-of-dicts targets view of a static batch (per-image slices: still fixed shapes)."""
-    return [
-        {"boxes": batch["boxes"][i], "labels": batch["labels"][i], "valid": batch["valid"][i]}
-        for i in range(batch["boxes"].shape[0])
-    ]
+    keys = [k for k in ("boxes", "labels", "valid", "keypoints") if k in batch]
+    return [{k: batch[k][i] for k in keys} for i in range(batch["boxes"].shape[0])]

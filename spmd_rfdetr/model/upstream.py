@@ -12,11 +12,13 @@ import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from rfdetr import config as rfdetr_config
 from rfdetr._namespace import _namespace_from_configs  # rfdetr's own config -> builder-namespace bridge
 from rfdetr.assets.model_weights import ModelWeights
+from rfdetr.detr import RFDETR
 from rfdetr.models.backbone import dinov2
 from rfdetr.models.criterion import SetCriterion
 from rfdetr.models.lwdetr import LWDETR, build_criterion_from_config, build_model_from_config
@@ -24,7 +26,7 @@ from rfdetr.models.postprocess import PostProcess
 from rfdetr.models.weights import load_pretrain_weights
 
 from spmd_rfdetr.config.options import (VARIANT_CONFIGS, ConfigError, DataOptions, ModelOptions, OptimOptions,
-                                is_segmentation, logit_count, resolved_weights)
+                                        is_keypoint, is_segmentation, logit_count, resolved_weights)
 from spmd_rfdetr.config.resolve import num_select_problem
 from spmd_rfdetr.model import xla_safe
 
@@ -46,6 +48,14 @@ class UpstreamConfigs:
     def namespace(self) -> Any:
         """rfdetr's legacy builder namespace (model, criterion and dataset builders read it)."""
         return _namespace_from_configs(self.model, self.train)
+
+    @property
+    def keypoints_per_target(self) -> int:
+        """Keypoint rows of each target (the schema's largest class: rfdetr's readers pad the others), 0 without
+        keypoint heads."""
+        if not self.model.use_grouppose_keypoints:
+            return 0
+        return max(self.model.num_keypoints_per_class or [0])
 
     def without_weights(self) -> UpstreamConfigs:
         """The same model built from scratch (a resumed run: its checkpoint holds every weight)."""
@@ -83,13 +93,14 @@ def upstream_configs(model: ModelOptions, data: DataOptions, optim: OptimOptions
     if model.backbone_blocks is not None:  # the last blocks feed the decoder, as many as the variant's (or all)
         outputs = len(VARIANTS[model.variant].model_fields["out_feature_indexes"].default)
         overrides["out_feature_indexes"] = list(range(1, model.backbone_blocks + 1))[-outputs:]
-    with warnings.catch_warnings():  # rfdetr's from-scratch warning: fit says it its own way (fetch_pretrain_weights),
-        warnings.filterwarnings("ignore", message=".*pretrain_weights=None.*")  # and inference loads a weight file
+    with _no_from_scratch_warning():
         model_cfg = VARIANTS[model.variant](
             pretrain_weights=resolved_weights(model), num_classes=num_classes, device="cpu", **overrides
         )
-    # rfdetr's seg models train with SegmentationTrainConfig (mask CE/dice weights 5, point ratio 16, class weight 1)
-    train_class = rfdetr_config.SegmentationTrainConfig if is_segmentation(model.variant) else rfdetr_config.TrainConfig
+    # rfdetr's seg models train with SegmentationTrainConfig (mask CE/dice weights 5, point ratio 16, class weight 1),
+    # its keypoint model with KeypointTrainConfig (the four keypoint loss weights 1, class weight 2)
+    train_class = (rfdetr_config.SegmentationTrainConfig if is_segmentation(model.variant) else
+                   rfdetr_config.KeypointTrainConfig if is_keypoint(model.variant) else rfdetr_config.TrainConfig)
     train_cfg = train_class(
         dataset_dir=data.dataset_dir,
         dataset_file=data.dataset_format,
@@ -104,7 +115,34 @@ def upstream_configs(model: ModelOptions, data: DataOptions, optim: OptimOptions
         lr_component_decay=optim.lr_component_decay,
         clip_max_norm=optim.clip_max_norm,
     )
+    if is_keypoint(model.variant):
+        _keypoint_schema_from_dataset(model_cfg, train_cfg, num_classes)
     return UpstreamConfigs(model_cfg, train_cfg, model.backbone_blocks)
+
+
+def _keypoint_schema_from_dataset(model_cfg: rfdetr_config.ModelConfig, train_cfg: rfdetr_config.TrainConfig,
+                                  num_classes: int) -> None:
+    """rfdetr's ``train()`` before it builds a keypoint model: the keypoints per class and the horizontal-flip pairs
+    from the dataset's metadata (COCO ``categories[].keypoints`` or YOLO ``kpt_shape``/``flip_idx``), by
+    ``RFDETR._align_keypoint_schema_from_dataset`` on a shim (it reads and writes only these two configs; a dataset
+    without keypoint metadata keeps the variant's ``[17]``), then the schema zero-padded to the class count (the rule
+    of its ``_align_num_classes_from_dataset``: classes past the schema have no keypoints)."""
+    shim = object.__new__(RFDETR)
+    shim.model_config, shim.model = model_cfg, SimpleNamespace(args=None)
+    with _no_from_scratch_warning():  # an assignment validates the config again
+        shim._align_keypoint_schema_from_dataset(train_cfg)
+        schema = list(model_cfg.num_keypoints_per_class)
+        if len(schema) < num_classes:
+            model_cfg.num_keypoints_per_class = schema + [0] * (num_classes - len(schema))
+
+
+@contextlib.contextmanager
+def _no_from_scratch_warning() -> Iterator[None]:
+    """Without rfdetr's from-scratch warning: fit says it its own way (fetch_pretrain_weights), and inference loads a
+    weight file."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*pretrain_weights=None.*")
+        yield
 
 
 @contextlib.contextmanager
@@ -121,13 +159,14 @@ def _dinov2_blocks(blocks: int | None) -> Iterator[None]:
         dinov2.get_config = read
 
 
-def build_model(cfgs: UpstreamConfigs) -> LWDETR:
+def build_model(cfgs: UpstreamConfigs, training: bool = False) -> LWDETR:
     """rfdetr's LWDETR, from scratch or from ``pretrain_weights`` through rfdetr's own ``load_pretrain_weights``.
 
     That loader aligns the checkpoint to the configured model: a class head of another size is resized to the
     configured class count (rows truncated, or tiled when the checkpoint has fewer), query embeddings are sliced per
     group, position embeddings interpolated. A published name (``rf-detr-nano.pth`` ...) not on disk is downloaded by
-    rfdetr into its cache (``$RF_HOME``, default ``~/.roboflow/models``).
+    rfdetr into its cache (``$RF_HOME``, default ``~/.roboflow/models``). ``training``: a keypoint model that loaded
+    weights starts its keypoint uncertainties at the identity, as rfdetr's trainer does (not its inference).
     """
     xla_safe.install()  # on an XLA device, the position table's resize for other image sizes (multi-scale)
     with _dinov2_blocks(cfgs.backbone_blocks):
@@ -142,6 +181,8 @@ def build_model(cfgs: UpstreamConfigs) -> LWDETR:
                 )
             os.makedirs(os.path.dirname(path), exist_ok=True)  # rfdetr's cache dir; its loader downloads into it
         load_pretrain_weights(net, cfgs.model)
+        if training and cfgs.model.use_grouppose_keypoints:
+            net.reset_keypoint_gaussian_parameters()
     return net
 
 

@@ -38,7 +38,8 @@ MACHINE_SECTIONS = ("mesh",)
 RFDETR_CLASSES = {"nano": "RFDETRNano", "small": "RFDETRSmall", "medium": "RFDETRMedium", "large": "RFDETRLarge",
                   "base": "RFDETRBase", "seg-nano": "RFDETRSegNano", "seg-small": "RFDETRSegSmall",
                   "seg-medium": "RFDETRSegMedium", "seg-large": "RFDETRSegLarge", "seg-xlarge": "RFDETRSegXLarge",
-                  "seg-2xlarge": "RFDETRSeg2XLarge", "seg-preview": "RFDETRSegPreview"}
+                  "seg-2xlarge": "RFDETRSeg2XLarge", "seg-preview": "RFDETRSegPreview",
+                  "keypoint-preview": "RFDETRKeypointPreview"}
 
 
 @dataclass

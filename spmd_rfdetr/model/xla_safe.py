@@ -227,22 +227,23 @@ def _install_batch_first_attention() -> None:
                 key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
                 attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        additive = attn_mask is None or (attn_mask.dim() == 2 and attn_mask.is_floating_point())  # rfdetr's keypoints
         plain = (query.device.type == "xla" and query.dim() == 3 and self.batch_first and not need_weights
-                 and key_padding_mask is None and attn_mask is None and not is_causal and self._qkv_same_embed_dim
+                 and key_padding_mask is None and additive and not is_causal and self._qkv_same_embed_dim
                  and self.bias_k is None and not self.add_zero_attn and not (self.training and self.dropout > 0))
         if not plain:
             return original(self, query, key, value, key_padding_mask, need_weights, attn_mask,
                             average_attn_weights, is_causal)
-        return _batch_first_attention(self, query, key, value), None
+        return _batch_first_attention(self, query, key, value, attn_mask), None
 
     forward._spmd_rfdetr = True  # type: ignore[attr-defined]
     attention.forward = forward
 
 
 def _batch_first_attention(self: torch.nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
-                           value: torch.Tensor) -> torch.Tensor:
+                           value: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """PyTorch's multi-head attention (in-projection, ``scaled_dot_product_attention``, out-projection) on
-    ``[B, L, E]`` tensors, never flattening the batch into another axis."""
+    ``[B, L, E]`` tensors, never flattening the batch into another axis; ``mask``: additive float ``[L, S]``."""
     linear = torch.nn.functional.linear
     heads, (batch, length, width) = self.num_heads, query.shape
     weights = self.in_proj_weight.chunk(3)
@@ -252,7 +253,7 @@ def _batch_first_attention(self: torch.nn.MultiheadAttention, query: torch.Tenso
         return linear(x, weights[i], biases[i]).view(batch, x.shape[1], heads, width // heads).transpose(1, 2)
 
     q, k, v = project(query, 0), project(key, 1), project(value, 2)
-    out = attention(q, k, v)  # [B, H, L, E/H]
+    out = attention(q, k, v, mask)  # [B, H, L, E/H]
     out = out.transpose(1, 2).reshape(batch, length, width)
     return linear(out, self.out_proj.weight, self.out_proj.bias)
 

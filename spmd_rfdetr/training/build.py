@@ -56,7 +56,7 @@ def build_trainer(
     :class:`ModelOptions` with ``ema`` on) adds the EMA of the weights to the step; ``mesh`` (``fsdp_min_numel``)
     tunes the parameter sharding, whose ``fsdp`` size is that of ``fabric``'s mesh.
     """
-    net = build_model(cfgs) if model is None else model
+    net = build_model(cfgs, training=True) if model is None else model
     criterion = build_criterion(build_upstream_criterion(cfgs)[0], solver=trainer.matcher).train()
     optimizer = build_optimizer(net, cfgs, on_device=True)
     net, optimizer = fabric.setup(net, optimizer)

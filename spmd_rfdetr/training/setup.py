@@ -21,7 +21,7 @@ from typing import Any
 import torch_xla.runtime as xr
 import yaml
 
-from spmd_rfdetr.config.options import RunConfig, is_segmentation
+from spmd_rfdetr.config.options import RunConfig, is_keypoint, is_segmentation
 from spmd_rfdetr.config.resolve import (eval_every_steps, evaluates_in_fit, fetch_pretrain_weights,
                                         multi_scale_buckets, resolve_and_check, steps_per_epoch, upstream_scales)
 from spmd_rfdetr.data.batches import blank_batch, first_uses, make_train_loader
@@ -83,7 +83,7 @@ def prepare(cfg: RunConfig) -> Run:
     check_s = time.perf_counter() - check_start
 
     out.mkdir(parents=True, exist_ok=True)
-    num_classes = cfg.model.num_classes or num_classes_in(d.dataset_dir)
+    num_classes = cfg.model.num_classes or num_classes_in(d.dataset_dir, is_keypoint(cfg.model.variant))
     cfgs = upstream_configs(cfg.model, d, cfg.optim, num_classes, cfg.eval.num_select)
     train_set = data_report.usable(build_split(cfgs, "train"), "train")  # less the images data.on_bad=skip leaves out
     check_overflow(train_set, d, "train")
@@ -162,7 +162,8 @@ def train_data(run: Run, step_fn: TrainStep, start: int) -> TrainData:
         rows, masks = d.global_batch_size // share[1], is_segmentation(cfg.model.variant)
 
         def blank(size: int) -> dict[str, Any]:
-            return data.spmd_loader.place(blank_batch(rows, size, d.max_targets, read_at, masks=masks))
+            return data.spmd_loader.place(blank_batch(rows, size, d.max_targets, read_at, masks=masks,
+                                                      keypoints=run.cfgs.keypoints_per_target))
 
         precompile_buckets(step_fn, buckets, blank)
     data.start()

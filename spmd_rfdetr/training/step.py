@@ -60,8 +60,10 @@ from spmd_rfdetr.xla.replay import Replayer, ReplayUnsafe, replicate_unannotated
 
 log = logging.getLogger(__name__)
 
-#: The final layer's loss terms each log point records (the mask terms only for the seg variants).
-LOGGED_LOSSES = ("loss_ce", "loss_bbox", "loss_giou", "loss_mask_ce", "loss_mask_dice")
+#: The final layer's loss terms each log point records (the mask terms only for the seg variants, the keypoint terms
+#: only for the keypoint model).
+LOGGED_LOSSES = ("loss_ce", "loss_bbox", "loss_giou", "loss_mask_ce", "loss_mask_dice", "loss_keypoints_l1",
+                 "loss_keypoints_findable", "loss_keypoints_visible", "loss_keypoints_nll")
 
 StepMode = Literal["replay", "trace", "openxla"]
 

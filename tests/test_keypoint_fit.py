@@ -1,0 +1,231 @@
+"""rfdetr's keypoint model end to end, as a user runs it: ``synth --keypoints``, ``fit --config
+configs/cpu-keypoints.yaml`` (made smaller), ``predict`` with keypoints; OKS mAP against pycocotools on predict's output
+and upstream rfdetr's own eager evaluation of ``last.pth``; upstream's ``RFDETR.from_checkpoint`` predicting our
+keypoints in a process without torch_xla."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from jobs import JobInputs, job_fixture
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 30
+SIZE = 96  # the synth images' size and the model's resolution: neither side resizes an image
+VALID = 16
+
+#: Upstream rfdetr alone: ``RFDETR.from_checkpoint`` on our weight file, its ``predict`` keypoints.
+UPSTREAM_KEYPOINT_PREDICT = """
+import json, sys
+from rfdetr import RFDETR
+checkpoint, images = sys.argv[1], sys.argv[2:]
+model = RFDETR.from_checkpoint(checkpoint)
+assert "torch_xla" not in sys.modules, "upstream ran with torch_xla imported"
+out = {"class": type(model).__name__, "images": []}
+for path in images:
+    k = model.predict(path, threshold=0.0)
+    out["images"].append({"score": k.detection_confidence.tolist(), "label": k.class_id.tolist(),
+                          "xy": k.xy.tolist(), "confidence": k.keypoint_confidence.tolist()})
+print(json.dumps(out))
+"""
+
+
+@dataclass
+class KeypointRun:
+    """The keypoint fit's output folder, its dataset, ``predict``'s output and upstream's."""
+
+    out: Path
+    data: Path
+    fit: subprocess.CompletedProcess
+    predicted: Path
+    """``predict`` of ``last.pth`` on the valid split's images."""
+    upstream: subprocess.CompletedProcess
+
+
+def cli(*args: str, env: dict[str, str], timeout: float = 1800) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spmd_rfdetr", *args], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+@job_fixture
+def keypoint_run(inputs: JobInputs, base: Path) -> KeypointRun:
+    """``synth --keypoints`` at the model's size, ``configs/cpu-keypoints.yaml`` with 2 backbone blocks for
+    :data:`STEPS` steps (evaluated at the last), ``predict`` of ``last.pth`` on the valid images and upstream's
+    ``from_checkpoint`` predict of the same images in a process without torch_xla."""
+    env = {**inputs.env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+    data = base / "data"
+    made = cli("synth", "--output_dir", str(data), "--keypoints", "true", "--image_size", str(SIZE),
+               "--train_images", "64", "--valid_images", str(VALID), "--test_images", "0", env=env)
+    assert made.returncode == 0, made.stderr[-3000:]
+    cfg = yaml.safe_load((ROOT / "configs" / "cpu-keypoints.yaml").read_text())
+    cfg["model"].update(backbone_blocks=2)
+    cfg["data"].update(dataset_dir=str(data), num_workers=0)
+    cfg["trainer"].update(output_dir=str(base / "run"), max_steps=STEPS, log_every=STEPS // 3)
+    cfg["eval"].update(every_steps=STEPS, save_detections=True)
+    config = base / "keypoints.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    fit = cli("fit", "--config", str(config), env=env)
+    predicted = base / "valid_predictions.json"
+    if fit.returncode == 0:
+        cli("predict", "--config", str(config), "--checkpoint", str(base / "run" / "last.pth"), "--images",
+            str(data / "valid"), "--output", str(predicted), env=env)
+    images = sorted((data / "valid").glob("*.jpg"))[:4]
+    no_xla = {k: v for k, v in inputs.env.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS")}
+    upstream = subprocess.run([sys.executable, "-c", UPSTREAM_KEYPOINT_PREDICT, str(base / "run" / "last.pth"),
+                               *map(str, images)], cwd=base, env={**no_xla, "USE_TORCH_XLA": "0"},
+                              capture_output=True, text=True, timeout=900)
+    return KeypointRun(base / "run", data, fit, predicted, upstream)
+
+
+def final_record(run: KeypointRun) -> dict:
+    assert run.fit.returncode == 0, run.fit.stderr[-4000:]
+    records = [json.loads(line) for line in (run.out / "metrics.jsonl").read_text().splitlines()]
+    return records[-1]
+
+
+@pytest.mark.slow
+def test_keypoint_fit_replays_and_reports_oks_map(keypoint_run: KeypointRun) -> None:
+    """The schema from the dataset's categories, one compiled training step replayed (no compile, one host read per
+    log point), the four keypoint losses logged, OKS keypoint mAP beside the box mAP in the record and the summary."""
+    record = final_record(keypoint_run)
+    log = keypoint_run.fit.stdout + keypoint_run.fit.stderr
+    assert "num_keypoints_per_class=[0, 5, 5, 5]" in log
+    assert record["step"] == STEPS and record["step_mode"] == "replay" and record["step_traces"] == 2
+    records = [json.loads(line) for line in (keypoint_run.out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r and r["step"] > 1 and "eval/mAP" not in r]
+    assert steps and all(r["xla_new_compiles"] == 0 and r["xla_aten_fallbacks"] == 0 for r in steps), steps
+    for name in ("l1", "findable", "visible", "nll"):
+        assert np.isfinite(record[f"loss_keypoints_{name}"]), record
+    assert record["eval/kp_mAP"] >= 0 and "eval/kp_AR" in record
+    summary = json.loads((keypoint_run.out / "eval" / f"step{STEPS:07d}_coco_eval.json").read_text())
+    assert summary["keypoints"]["stats"]["mAP"] == record["eval/kp_mAP"] and summary["keypoints"]["max_dets"] == 20
+
+
+def _predicted_keypoints(run: KeypointRun) -> tuple[list[dict], dict[int, int], object]:
+    """predict's results, its image ids -> the split's, and the split's ground truth."""
+    from pycocotools.coco import COCO
+
+    gt = COCO(str(run.data / "valid" / "_annotations.coco.json"))
+    ids = {image["file_name"]: image["id"] for image in gt.dataset["images"]}
+    folder = {row["id"]: row["file_name"] for row in json.loads(run.predicted.with_suffix(".images.json").read_text())}
+    return json.loads(run.predicted.read_text()), {i: ids[name] for i, name in folder.items()}, gt
+
+
+@pytest.mark.slow
+def test_oks_map_equals_pycocotools_on_predicts_keypoints(keypoint_run: KeypointRun) -> None:
+    """``predict``'s keypoints for ``last.pth`` (the weights the final evaluation scored), mapped to the split's image
+    ids by file name, scored by pycocotools itself at rfdetr's settings (maxDets 20, uniform 0.05 sigmas for 5
+    keypoints): the fit's ``eval/kp_*`` to 1e-4."""
+    from pycocotools.cocoeval import COCOeval
+    from rfdetr.evaluation.coco_eval import patched_pycocotools_summarize
+
+    from spmd_rfdetr.eval.keypoints import keypoint_stat_names
+
+    record = final_record(keypoint_run)
+    results, folder_ids, gt = _predicted_keypoints(keypoint_run)
+    assert results and all(len(r["keypoints"]) == 15 for r in results)  # 5 keypoints (the root class: maxK, as rfdetr)
+    points = [{"image_id": folder_ids[r["image_id"]], "category_id": r["category_id"], "score": r["score"],
+               "keypoints": r["keypoints"]} for r in results]
+    evaluator = COCOeval(gt, gt.loadRes(points), "keypoints")
+    evaluator.params.kpt_oks_sigmas = np.full(5, 0.05)
+    evaluator.params.imgIds = sorted(folder_ids.values())
+    evaluator.params.maxDets = [20]
+    evaluator.evaluate()
+    evaluator.accumulate()
+    patched_pycocotools_summarize(evaluator, log_summary=False)
+    ours = np.asarray([record[f"eval/kp_{name}"] for name in keypoint_stat_names()])
+    np.testing.assert_allclose(ours, evaluator.stats, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_oks_map_equals_upstream_eager_eval_of_last_pth(keypoint_run: KeypointRun) -> None:
+    """Upstream rfdetr on the CPU, eager: its keypoint model with ``last.pth``'s weights, its ``PostProcess``
+    (keypoint decode, fused scores) and its ``CocoEvaluator`` for bbox and keypoints on the valid split as rfdetr
+    builds it: the keypoint results the fit's final evaluation scored, detection by detection, and its ``eval/mAP`` and
+    ``eval/kp_mAP`` (and the rest of both summaries) to 1e-4."""
+    from rfdetr.config import TrainConfig
+    from rfdetr.datasets import get_coco_api_from_dataset
+    from rfdetr.evaluation.coco_eval import CocoEvaluator
+
+    from spmd_rfdetr.config.options import RunConfig
+    from spmd_rfdetr.data.splits import upstream_split
+    from spmd_rfdetr.eval.coco import stat_names
+    from spmd_rfdetr.eval.keypoints import keypoint_stat_names
+    from spmd_rfdetr.model.inputs import as_samples
+    from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
+    from spmd_rfdetr.model.weights import inference_config, read_weights
+
+    record = final_record(keypoint_run)
+    saved = read_weights(keypoint_run.out / "last.pth")
+    cfg = inference_config(RunConfig(), saved)
+    cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, cfg.model.num_classes)
+    net = build_model(cfgs)
+    net.load_state_dict(saved.state_dict)
+    net.eval()
+    postprocess = build_upstream_criterion(cfgs)[1]
+    dataset = upstream_split(cfgs, "valid")
+    max_dets = TrainConfig.model_fields["eval_max_dets"].default
+    evaluator = CocoEvaluator(get_coco_api_from_dataset(dataset), ["bbox", "keypoints"], max_dets=max_dets,
+                              log_summary=False)
+    with torch.no_grad():
+        for start in range(0, len(dataset), 8):
+            items = [dataset[i] for i in range(start, min(start + 8, len(dataset)))]
+            outputs = net(as_samples(torch.stack([image for image, _ in items])))
+            sizes = torch.stack([target["orig_size"] for _, target in items])
+            evaluator.update({int(t["image_id"]): r for (_, t), r in zip(items, postprocess(outputs, sizes))})
+    evaluator.synchronize_between_processes()
+    evaluator.accumulate()
+    ours = json.loads((keypoint_run.out / "eval" / f"step{STEPS:07d}_keypoints.json").read_text())
+    _same_keypoint_results(ours, evaluator.coco_results["keypoints"])
+    for prefix, iou_type, names in (("eval/", "bbox", stat_names(max_dets)),
+                                    ("eval/kp_", "keypoints", keypoint_stat_names())):
+        ours = np.asarray([record[prefix + name] for name in names])
+        np.testing.assert_allclose(ours, evaluator.coco_eval[iou_type].stats[:len(names)], atol=1e-4, rtol=0,
+                                   err_msg=iou_type)
+
+
+def _same_keypoint_results(ours: list[dict], theirs: list[dict]) -> None:
+    """Two lists of COCO keypoint results hold the same detections per image: categories, scores (1e-5) and points
+    (1e-3 px, confidences 1e-5) in score order."""
+    assert len(ours) == len(theirs) > 0
+    for image_id in {r["image_id"] for r in theirs}:
+        mine = sorted((r for r in ours if r["image_id"] == image_id), key=lambda r: -r["score"])
+        other = sorted((r for r in theirs if r["image_id"] == image_id), key=lambda r: -r["score"])
+        np.testing.assert_allclose([r["score"] for r in mine], [r["score"] for r in other], atol=1e-5)
+        assert [r["category_id"] for r in mine] == [r["category_id"] for r in other]
+        for a, b in zip(mine, other):
+            a, b = np.asarray(a["keypoints"]).reshape(-1, 3), np.asarray(b["keypoints"]).reshape(-1, 3)
+            np.testing.assert_allclose(a[:, :2], b[:, :2], atol=1e-3)
+            np.testing.assert_allclose(a[:, 2], b[:, 2], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_upstream_from_checkpoint_predicts_our_keypoints(keypoint_run: KeypointRun) -> None:
+    """``RFDETR.from_checkpoint(last.pth)`` (no torch_xla in its process) is an ``RFDETRKeypointPreview`` whose
+    ``predict`` gives our ``predict``'s detections: the same fused scores in the same order, and every detection's
+    keypoints and their confidences (at the model's resolution, where neither side resizes the image)."""
+    assert keypoint_run.upstream.returncode == 0, keypoint_run.upstream.stderr[-3000:]
+    theirs = json.loads(keypoint_run.upstream.stdout.strip().splitlines()[-1])
+    assert theirs["class"] == "RFDETRKeypointPreview"
+    results, _, _ = _predicted_keypoints(keypoint_run)
+    checked = 0
+    for image_id, upstream in enumerate(theirs["images"]):
+        rows = sorted((r for r in results if r["image_id"] == image_id), key=lambda r: -r["score"])
+        order = np.argsort(-np.asarray(upstream["score"]), kind="stable")
+        order = order[np.asarray(upstream["label"])[order] < 4]  # label 4: the "no object" logit, which we drop
+        assert len(rows) == len(order) > 0, (len(rows), len(order))
+        np.testing.assert_allclose([r["score"] for r in rows], np.asarray(upstream["score"])[order], atol=1e-4)
+        for row, k in zip(rows, order):
+            points = np.asarray(row["keypoints"]).reshape(-1, 3)
+            np.testing.assert_allclose(points[:, :2], np.asarray(upstream["xy"][k])[:len(points)], atol=1e-2)
+            np.testing.assert_allclose(points[:, 2], np.asarray(upstream["confidence"][k])[:len(points)], atol=1e-4)
+            checked += 1
+    assert checked >= 4 * 20

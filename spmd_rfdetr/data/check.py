@@ -31,9 +31,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from spmd_rfdetr.config.options import ConfigError, RunConfig, is_segmentation
+from spmd_rfdetr.config.options import ConfigError, RunConfig, is_keypoint, is_segmentation
 from spmd_rfdetr.config.resolve import evaluates_in_fit
 from spmd_rfdetr.data import check_cache
+from spmd_rfdetr.data import check_keypoints as keypoint_checks
 from spmd_rfdetr.data import check_masks as mask_checks
 from spmd_rfdetr.data.check_report import DataError, DataReport, SplitSummary  # check_data raises DataError
 from spmd_rfdetr.data.files import Entry, Finding, SplitData, inspect_image, layout_of, read_split
@@ -93,6 +94,8 @@ def _report(cfg: RunConfig, splits: list[str], training: bool, images: str | Non
     key = check_cache.fingerprint(cfg, splits, training) if splits and images is None else None
     if key and is_segmentation(cfg.model.variant):  # the mask findings: a key of their own
         key = mask_checks.cache_key(key)
+    if key and is_keypoint(cfg.model.variant):  # the keypoint findings too
+        key = keypoint_checks.cache_key(key)
     cached = check_cache.load(key) if key else None
     if cached:
         try:
@@ -178,7 +181,8 @@ def _check_split(report: DataReport, data: SplitData, cfg: RunConfig, layout: st
 
     summary, split, d = SplitSummary(data.split, data.readable), data.split, cfg.data
     counts: dict[str, int] = {}
-    sizes: dict[str, tuple[int, int] | None] | None = {} if is_segmentation(cfg.model.variant) else None
+    per_object = is_segmentation(cfg.model.variant) or is_keypoint(cfg.model.variant)  # masks or keypoints
+    sizes: dict[str, tuple[int, int] | None] | None = {} if per_object else None
     paths = {entry.name: entry.path for entry in data.entries}
     for entry in data.entries:
         real = [box for box in entry.boxes if not box.crowd]
@@ -195,8 +199,12 @@ def _check_split(report: DataReport, data: SplitData, cfg: RunConfig, layout: st
             report.findings += _box_findings(box, entry, size, data, cfg, train)
         if sizes is not None:
             sizes[entry.name] = size
-    if sizes is not None and layout != "yolo":  # YOLO: rfdetr's own line parser (checked above) reads the polygons
+    if sizes is not None and layout != "yolo" and is_segmentation(cfg.model.variant):  # YOLO: rfdetr's own line
         report.findings = mask_checks.merge(report.findings, mask_checks.mask_findings(data, sizes, train=train))
+    if sizes is not None and layout != "yolo" and is_keypoint(cfg.model.variant):  # parser reads polygons, points
+        found, notes = keypoint_checks.keypoint_findings(data, sizes, train=train)
+        report.findings += found
+        report.notes += notes
     overflow = count_overflow(counts, d.max_targets)
     if overflow.files and d.on_overflow == "error":
         report.findings += [Finding(split, str(paths[name]), "overflow", f"{counts[name]} objects, "

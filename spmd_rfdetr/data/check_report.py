@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spmd_rfdetr.data import check_keypoints as keypoint_checks
 from spmd_rfdetr.data import check_masks as mask_checks
 from spmd_rfdetr.data.files import Finding
 
@@ -43,6 +44,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "empty_split": ("split has no usable images", "point data.dataset_dir at a dataset whose split has images"),
     "too_few_images": ("fewer train images than one batch", "lower data.global_batch_size or add images"),
     **mask_checks.MASK_KINDS,
+    **keypoint_checks.KEYPOINT_KINDS,
 }
 
 

@@ -102,3 +102,74 @@ def test_a_keypoint_outside_the_image_is_skippable_in_the_train_split(tmp_path: 
     keypoint_dataset(missing, images=(1,))
     with pytest.raises(DataError):
         check_data(keypoint_cfg(missing, on_bad="skip"))
+
+
+def test_a_dataset_without_keypoints_is_named_before_rfdetrs_reader_stops(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    synth(str(root), train_images=16, valid_images=8, test_images=0, image_size=64)  # boxes and masks, no keypoints
+    with pytest.raises(DataError) as error:
+        check_data(keypoint_cfg(root))
+    assert f"{KINDS['no_keypoint_categories'][0]} (2): fix: " in str(error.value)  # train and valid
+    check_data(keypoint_cfg(root, variant="nano"))
+
+
+def yolo_pose(coco_root: Path, yolo: Path) -> None:
+    """``coco_root`` (``synth --keypoints``) rewritten as an Ultralytics YOLO pose dataset: ``kpt_shape [5, 3]``,
+    ``flip_idx`` swapping right and left, one row per object (class, box, then x y v per keypoint, normalised)."""
+    import shutil
+
+    import yaml
+
+    names = None
+    for split in ("train", "valid"):
+        coco = json.loads((coco_root / split / "_annotations.coco.json").read_text())
+        real = sorted((c for c in coco["categories"] if "keypoints" in c), key=lambda c: c["id"])
+        names, cls = [c["name"] for c in real], {c["id"]: i for i, c in enumerate(real)}
+        (yolo / split / "images").mkdir(parents=True)
+        (yolo / split / "labels").mkdir()
+        for im in coco["images"]:
+            shutil.copy(coco_root / split / im["file_name"], yolo / split / "images" / im["file_name"])
+            w, h, rows = im["width"], im["height"], []
+            for a in (a for a in coco["annotations"] if a["image_id"] == im["id"]):
+                x, y, bw, bh = a["bbox"]
+                points = [v / (w if j % 3 == 0 else h) if j % 3 < 2 else int(v) for j, v in enumerate(a["keypoints"])]
+                rows.append(" ".join(map(repr, [cls[a["category_id"]], (x + bw / 2) / w, (y + bh / 2) / h, bw / w,
+                                                bh / h, *points])))
+            (yolo / split / "labels" / (Path(im["file_name"]).stem + ".txt")).write_text("\n".join(rows) + "\n")
+    (yolo / "data.yaml").write_text(yaml.safe_dump({"names": names, "nc": len(names), "kpt_shape": [5, 3],
+                                                    "flip_idx": [0, 3, 2, 1, 4]}))
+
+
+def test_yolo_pose_labels_read_as_rfdetr_reads_them_and_are_checked(tmp_path: Path) -> None:
+    """A YOLO pose export of the same objects: the check passes it (rows parsed by rfdetr's pose parser), rfdetr's
+    YOLO reader gives the Roboflow COCO reading's keypoints (schema [5, 5, 5] from ``kpt_shape``, flip pairs from
+    ``flip_idx``), and a row of the wrong length is named with its line."""
+    import torch
+
+    from spmd_rfdetr.data.splits import build_split
+    from spmd_rfdetr.model.upstream import upstream_configs
+
+    coco_root, yolo = tmp_path / "coco", tmp_path / "yolo"
+    keypoint_dataset(coco_root, images=())
+    yolo_pose(coco_root, yolo)
+    cfg = keypoint_cfg(yolo, dataset_format="yolo")
+    report = check_data(cfg)
+    assert report.findings == [] and "train: 16 images" in report.summary(), report.summary()
+    ours = upstream_configs(cfg.model, cfg.data, cfg.optim, num_classes=3)
+    assert ours.model.num_keypoints_per_class == [5, 5, 5] and ours.train.keypoint_flip_pairs == [1, 3]
+    reference = keypoint_cfg(coco_root)
+    theirs = upstream_configs(reference.model, reference.data, reference.optim, num_classes=4)
+    a, b = build_split(ours, "valid"), build_split(theirs, "valid")
+    for i in range(len(b)):
+        mine, other = a[i][1], b[i][1]
+        order, other_order = mine["boxes"][:, 0].argsort(), other["boxes"][:, 0].argsort()
+        torch.testing.assert_close(mine["keypoints"][order], other["keypoints"][other_order], atol=1e-5, rtol=0)
+        assert torch.equal(mine["labels"][order] + 1, other["labels"][other_order])  # COCO: the root takes label 0
+
+    label = next((yolo / "train" / "labels").glob("*.txt"))
+    rows = label.read_text().splitlines()
+    label.write_text("\n".join([" ".join(rows[0].split()[:-3])] + rows[1:]) + "\n")  # one keypoint short
+    with pytest.raises(DataError) as error:
+        check_data(cfg)
+    assert f"{label.name} (line 1): Malformed YOLO pose label" in str(error.value) and "expected 20 fields" in str(
+        error.value)

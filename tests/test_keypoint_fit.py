@@ -98,6 +98,8 @@ def test_keypoint_fit_replays_and_reports_oks_map(keypoint_run: KeypointRun) -> 
     record = final_record(keypoint_run)
     log = keypoint_run.fit.stdout + keypoint_run.fit.stderr
     assert "num_keypoints_per_class=[0, 5, 5, 5]" in log
+    resolved = yaml.safe_load((keypoint_run.out / "config.yaml").read_text())  # what a weight file rebuilds from
+    assert resolved["model"]["num_keypoints_per_class"] == [0, 5, 5, 5], resolved["model"]
     assert record["step"] == STEPS and record["step_mode"] == "replay" and record["step_traces"] == 2
     records = [json.loads(line) for line in (keypoint_run.out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r and r["step"] > 1 and "eval/mAP" not in r]
@@ -229,3 +231,34 @@ def test_upstream_from_checkpoint_predicts_our_keypoints(keypoint_run: KeypointR
             np.testing.assert_allclose(points[:, 2], np.asarray(upstream["confidence"][k])[:len(points)], atol=1e-4)
             checked += 1
     assert checked >= 4 * 20
+
+
+@pytest.mark.slow
+def test_export_onnx_of_the_keypoint_model_runs_like_the_eager_model(keypoint_run: KeypointRun, tmp_path: Path) -> None:
+    """``export`` of ``last.pth`` through rfdetr's exporter: an ONNX graph with rfdetr's ``keypoints`` output (raw, of
+    the last layer), equal under onnxruntime to the eager model's boxes, logits and keypoints."""
+    onnxruntime = pytest.importorskip("onnxruntime", reason="ONNX export needs rfdetr's onnx extra")
+
+    from spmd_rfdetr.cli import main
+    from spmd_rfdetr.config.options import RunConfig
+    from spmd_rfdetr.model.inputs import as_samples
+    from spmd_rfdetr.model.upstream import build_model, upstream_configs
+    from spmd_rfdetr.model.weights import inference_config, read_weights
+
+    final_record(keypoint_run)
+    checkpoint = keypoint_run.out / "last.pth"
+    main(["export", "--checkpoint", str(checkpoint), "--output", str(tmp_path / "keypoints.onnx")])
+    session = onnxruntime.InferenceSession(str(tmp_path / "keypoints.onnx"), providers=["CPUExecutionProvider"])
+    image = torch.randn(1, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
+    outputs = dict(zip([o.name for o in session.get_outputs()],
+                       session.run(None, {session.get_inputs()[0].name: image.numpy()})))
+    saved = read_weights(checkpoint)
+    cfg = inference_config(RunConfig(), saved)
+    net = build_model(upstream_configs(cfg.model, cfg.data, cfg.optim, cfg.model.num_classes))
+    net.load_state_dict(saved.state_dict)
+    with torch.no_grad():
+        eager = net.eval()(as_samples(image))
+    assert set(outputs) == {"dets", "labels", "keypoints"}
+    np.testing.assert_allclose(outputs["dets"], eager["pred_boxes"].numpy(), atol=1e-4)
+    np.testing.assert_allclose(outputs["labels"], eager["pred_logits"].numpy(), atol=1e-3)
+    np.testing.assert_allclose(outputs["keypoints"], eager["pred_keypoints"].numpy(), atol=1e-3)

@@ -196,3 +196,79 @@ def test_keypoint_losses_and_costs_trace_on_xla_as_one_graph_without_host_reads(
     for mine, reference in zip(on_xla[1], eager[1]):
         torch.testing.assert_close(mine.cpu(), reference, rtol=1e-5, atol=1e-5, equal_nan=True)
     torch.testing.assert_close(on_xla[2].cpu(), eager[2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_keypoint_step_on_the_mesh_equals_upstream(mesh_trainer) -> None:
+    """rfdetr's keypoint model (tiny; a root class without keypoints beside two with 3) compiled as ``fit``'s step on
+    the 4-device mesh in trace mode, against upstream rfdetr's eager CPU steps (its model, SetCriterion with its SciPy
+    matcher and the keypoint costs, clipping, AdamW) on the unpadded targets: step 1 to 1e-5 in every logged loss term
+    (the four keypoint terms among them) and 1e-4 relative L2 in the clipped gradients, steps 2-3 within
+    ``parity_tolerance``."""
+    from spmd_rfdetr.config.options import DataOptions, ModelOptions, OptimOptions, TrainerOptions
+    from spmd_rfdetr.data.pixels import upstream_float
+    from spmd_rfdetr.model.loss import total_loss
+    from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
+    from spmd_rfdetr.training.build import build_trainer
+    from spmd_rfdetr.training.optim import build_optimizer
+    from spmd_rfdetr.training.step import LOGGED_LOSSES
+    from support.models import parity_tolerance
+
+    schema, size, slots = [0, 3, 3], 48, 4
+    model = ModelOptions(variant="keypoint-preview", resolution=size, num_queries=6, group_detr=2, dec_layers=2,
+                         backbone_blocks=2, pretrain_weights=None, num_keypoints_per_class=schema)
+    optim = OptimOptions(schedule="constant")
+    cfgs = upstream_configs(model, DataOptions(dataset_dir="/nonexistent", max_targets=slots), optim, num_classes=3)
+    assert cfgs.model.num_keypoints_per_class == schema and cfgs.keypoints_per_target == 3
+    torch.manual_seed(0)
+    init = build_model(cfgs).state_dict()
+    g = torch.Generator().manual_seed(5)
+
+    def batch(counts: list[int]) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+        targets = []
+        for n in counts:
+            keypoints = torch.rand(n, 3, 3, generator=g)
+            keypoints[..., 2] = torch.randint(0, 3, (n, 3), generator=g).float()
+            keypoints[keypoints[..., 2] == 0] = 0.0
+            targets.append({"boxes": torch.rand(n, 4, generator=g) * 0.4 + 0.2, "keypoints": keypoints,
+                            "labels": torch.randint(0, 3, (n,), generator=g)})
+        padded = [pad_target(t, slots) for t in targets]
+        static = {key: torch.stack([p[key] for p in padded]) for key in padded[0]}
+        static["images"] = torch.randint(0, 256, (len(counts), 3, size, size), dtype=torch.uint8, generator=g)
+        static["image_id"] = torch.arange(len(counts))
+        static["orig_size"] = torch.full((len(counts), 2), size)
+        return static, targets
+
+    reference_net = build_model(cfgs)
+    reference_net.load_state_dict(init)
+    reference_net.train()
+    reference = build_upstream_criterion(cfgs)[0].train()
+    optimizer = build_optimizer(reference_net, cfgs)  # plain AdamW, as rfdetr trains
+    net = build_model(cfgs)
+    net.load_state_dict(init)
+    traced = build_trainer(mesh_trainer.fabric, cfgs, optim, TrainerOptions(precision="fp32", step_mode="trace"),
+                           model=net)
+    losses = []
+    for step in range(1, 4):
+        static, targets = batch([3, 1, 0, 4])
+        optimizer.zero_grad(set_to_none=True)
+        expected = reference(reference_net(upstream_float(static["images"])), targets)
+        total_loss(expected, reference.weight_dict).backward()
+        torch.nn.utils.clip_grad_norm_(reference_net.parameters(), optim.clip_max_norm)
+        stats = traced.step.read(traced.step(mesh_trainer.to_device(static)))
+        reference_loss = float(total_loss(expected, reference.weight_dict))
+        losses.append((stats["loss"], reference_loss))
+        assert abs(stats["loss"] - reference_loss) <= parity_tolerance(step) * reference_loss, (step, losses)
+        if step == 1:
+            logged = [key for key in LOGGED_LOSSES if key in expected]
+            assert {f"loss_keypoints_{k}" for k in ("l1", "findable", "visible", "nll")} <= set(logged)
+            for key in logged:
+                value = float(expected[key])
+                assert abs(stats[key] - value) <= 1e-5 * max(1.0, abs(value)), (key, stats[key], value)
+            want = [p.grad if p.grad is not None else torch.zeros(p.shape) for p in reference_net.parameters()]
+            have = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in traced.model.parameters()]
+            diff = torch.sqrt(sum(((h - w) ** 2).sum() for h, w in zip(have, want)))
+            norm = torch.sqrt(sum((w ** 2).sum() for w in want))
+            assert diff / norm <= 1e-4, f"gradient relative L2 error {float(diff / norm):.3g}"
+        optimizer.step()
+    print(f"keypoint step: losses (ours, upstream) {losses}")

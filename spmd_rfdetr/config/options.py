@@ -39,6 +39,10 @@ class ModelOptions:
     decoder. No published weights fit it, and upstream rfdetr cannot rebuild it from a weight file."""
     num_classes: int | None = None
     """Number of classes; ``None`` reads it from the dataset."""
+    num_keypoints_per_class: list[int] | None = None
+    """``keypoint-preview`` only: keypoints per class label (rfdetr's ``num_keypoints_per_class``, e.g. ``[17]``);
+    ``None`` reads it from the dataset's keypoint categories as rfdetr does (``fit`` records what it read, so a weight
+    file rebuilds its model without the dataset). A dataset whose categories say otherwise wins, as in rfdetr."""
     pretrain_weights: str | None = "auto"
     """RF-DETR checkpoint to fine-tune from. ``auto``: the variant's published COCO weights, as upstream (the default
     of rfdetr's config class: ``rf-detr-nano.pth`` for Nano ...); a published rfdetr name such as ``rf-detr-nano.pth``

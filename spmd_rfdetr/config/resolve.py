@@ -347,6 +347,10 @@ def _model_problems(cfg: RunConfig) -> list[str]:
             f"data.max_targets={cfg.data.max_targets} is more than the {queries} queries per group ({source}): the "
             "matcher gives every target its own query. Lower data.max_targets or raise model.num_queries"
         )
+    if m.num_keypoints_per_class is not None and (not is_keypoint(m.variant) or not m.num_keypoints_per_class
+                                                   or min(m.num_keypoints_per_class) < 0):
+        problems.append(f"model.num_keypoints_per_class={m.num_keypoints_per_class}: keypoints per class label (>= 0 "
+                        "each, e.g. [17]) of model.variant=keypoint-preview; leave it unset for other variants")
     for name in ("group_detr", "dec_layers", "num_classes", "backbone_blocks"):
         value = getattr(m, name)
         if value is not None and value < 1:

@@ -24,6 +24,9 @@ from spmd_rfdetr.data.files import Finding, SplitData
 
 #: kind -> (what it is, how to fix it); :data:`spmd_rfdetr.data.check_report.KINDS` holds these too.
 KEYPOINT_KINDS: dict[str, tuple[str, str]] = {
+    "no_keypoint_categories": ("no category with keypoints (model.variant is keypoint-preview)", "name each keypoint "
+                               "category's points in its 'keypoints' list (COCO), or train a detector variant; "
+                               "rfdetr's keypoint reader stops on such a dataset"),
     "missing_keypoints": ("object of a keypoint category without keypoints", "add the object's 'keypoints' "
                           "[x1, y1, v1, ...] (v 0 for a point not labelled) or delete the annotation; rfdetr would "
                           "train it as having no labelled point"),
@@ -47,6 +50,10 @@ def keypoint_findings(data: SplitData, sizes: dict[str, Size], *, train: bool) -
         except (OSError, ValueError):  # read a moment ago: changed since; the next check reports it
             continue
         counts = _declared_counts(coco)
+        if not counts and not any(isinstance(a, dict) and a.get("keypoints") for a in coco.get("annotations", [])):
+            found.append(Finding(data.split, str(source), "no_keypoint_categories", "no category lists 'keypoints' "
+                                 "and no annotation has any"))
+            continue
         names = {image.get("id"): image.get("file_name") for image in coco.get("images", []) if isinstance(image, dict)}
         for i, ann in enumerate(coco.get("annotations", [])):
             if not isinstance(ann, dict) or ann.get("iscrowd", 0) or ann.get("category_id") not in counts:

@@ -232,6 +232,7 @@ def _read_yolo(root: Path, split: str) -> SplitData:
         _extract_yolo_class_names,
         _list_yolo_image_paths,
         _parse_yolo_label_line,
+        _parse_yolo_pose_label_line,
         _resolve_yolo_split_dirs,
         find_yolo_data_file,
     )
@@ -244,6 +245,12 @@ def _read_yolo(root: Path, split: str) -> SplitData:
         out.num_labels = len(names)
     except (OSError, ValueError, TypeError) as error:
         out.fail(data_file, "bad_schema", f"class names unreadable: {error}")
+        out.readable = False
+        return out
+    try:
+        pose = _pose_shape(data_file)  # a pose dataset's rows: box, then (x, y[, v]) per keypoint
+    except ValueError as error:
+        out.fail(data_file, "bad_schema", str(error))
         out.readable = False
         return out
     try:
@@ -269,8 +276,12 @@ def _read_yolo(root: Path, split: str) -> SplitData:
             if not line.strip():
                 continue
             try:  # rfdetr's own parser; its class-range check is ours below (it would stop at the first)
-                cid, xyxy, _ = _parse_yolo_label_line(line.split(), number, label_path, sys.maxsize, 1, 1,
-                                                      parse_polygons=False)
+                if pose is None:
+                    cid, xyxy, _ = _parse_yolo_label_line(line.split(), number, label_path, sys.maxsize, 1, 1,
+                                                          parse_polygons=False)
+                else:
+                    cid, xyxy, _ = _parse_yolo_pose_label_line(line.split(), number, label_path, sys.maxsize, 1, 1,
+                                                               num_keypoints=pose[0], keypoint_dim=pose[1])
             except ValueError as error:
                 out.fail(label_path, "bad_label_file", str(error), f"line {number}")
                 continue
@@ -281,6 +292,20 @@ def _read_yolo(root: Path, split: str) -> SplitData:
             entry.boxes.append(Box(f"line {number}", cid, cid, tuple(float(v) for v in xyxy)))  # type: ignore[arg-type]
         out.entries.append(entry)
     return out
+
+
+def _pose_shape(data_file: Path) -> tuple[int, int] | None:
+    """``kpt_shape`` of a YOLO pose ``data.yaml`` as rfdetr validates it (keypoints, 2 or 3 numbers each); ``None``
+    for a detection dataset."""
+    # lazy: rfdetr imports torch_xla: the CLI imports this module before the device choice
+    import yaml
+    from rfdetr.datasets._keypoint_schema import _validate_yolo_kpt_shape
+
+    try:
+        declared = (yaml.safe_load(data_file.read_text(encoding="utf-8")) or {}).get("kpt_shape")
+    except (OSError, yaml.YAMLError, AttributeError):  # the class names' reader above says what is wrong
+        return None
+    return None if declared is None else _validate_yolo_kpt_shape(declared, data_file)
 
 
 def inspect_image(path: Path) -> tuple[tuple[int, int] | None, str]:

@@ -66,11 +66,11 @@ def upstream_model(cfg: RunConfig, saved: SavedWeights) -> Any:
     # lazy: rfdetr imports torch_xla: only when exporting, so this module imports without it (model.upstream too)
     import rfdetr
 
-    from spmd_rfdetr.model.upstream import upstream_configs
+    from spmd_rfdetr.model.upstream import dinov2_blocks, upstream_configs
 
     mc = upstream_configs(cfg.model, cfg.data, cfg.optim, cfg.model.num_classes or 0).model
     kwargs = rfdetr_entries(mc, cfg.model.variant, None)["model_config"]
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), dinov2_blocks(cfg.model.backbone_blocks):  # a debug model's depth, as fit built it
         warnings.filterwarnings("ignore", message=".*pretrain_weights=None.*")
         if saved.kind == "rfdetr":  # rfdetr loads its own format (query slicing, head alignment)
             model = getattr(rfdetr, RFDETR_CLASSES[cfg.model.variant])(pretrain_weights=str(saved.path), **kwargs)

@@ -78,6 +78,7 @@ def upstream_configs(model: ModelOptions, data: DataOptions, optim: OptimOptions
             "num_queries": model.num_queries,
             "group_detr": model.group_detr,
             "dec_layers": model.dec_layers,
+            "num_keypoints_per_class": model.num_keypoints_per_class,
         }.items()
         if v is not None
     }
@@ -146,8 +147,9 @@ def _no_from_scratch_warning() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _dinov2_blocks(blocks: int | None) -> Iterator[None]:
-    """While building, rfdetr's DINOv2 config says ``blocks`` (rfdetr reads the depth from a JSON file, no override)."""
+def dinov2_blocks(blocks: int | None) -> Iterator[None]:
+    """While building, rfdetr's DINOv2 config says ``blocks`` (rfdetr reads the depth from a JSON file, no override;
+    ``None``: as it is)."""
     if blocks is None:
         yield
         return
@@ -169,7 +171,7 @@ def build_model(cfgs: UpstreamConfigs, training: bool = False) -> LWDETR:
     weights starts its keypoint uncertainties at the identity, as rfdetr's trainer does (not its inference).
     """
     xla_safe.install()  # on an XLA device, the position table's resize for other image sizes (multi-scale)
-    with _dinov2_blocks(cfgs.backbone_blocks):
+    with dinov2_blocks(cfgs.backbone_blocks):
         net = build_model_from_config(cfgs.model, cfgs.train)
     if cfgs.model.pretrain_weights is not None:
         path = str(cfgs.model.pretrain_weights)

@@ -31,7 +31,8 @@ from spmd_rfdetr.config.options import DataOptions, ModelOptions, RunConfig
 log = logging.getLogger(__name__)
 
 #: ModelOptions fields that fix the weights' shapes: always taken from a ``fit`` checkpoint's config.
-ARCHITECTURE = ("variant", "resolution", "num_queries", "group_detr", "dec_layers", "backbone_blocks", "num_classes")
+ARCHITECTURE = ("variant", "resolution", "num_queries", "group_detr", "dec_layers", "backbone_blocks", "num_classes",
+                "num_keypoints_per_class")
 #: Config sections that describe the machine, not the model: never taken from a checkpoint.
 MACHINE_SECTIONS = ("mesh",)
 #: rfdetr's class name per variant (``model_name`` in rfdetr's own checkpoints).

@@ -96,6 +96,8 @@ def prepare(cfg: RunConfig) -> Run:
     _size_in_steps(cfg, len(train_set))
     resolved = dataclasses.asdict(cfg)
     resolved["model"]["num_classes"] = num_classes
+    if cfgs.model.use_grouppose_keypoints:  # as read from the dataset: a weight file rebuilds the model without it
+        resolved["model"]["num_keypoints_per_class"] = list(cfgs.model.num_keypoints_per_class)
     if hosts.is_coordinator():
         (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     entries = {"config": resolved, "class_names": names, **upstream_entries}

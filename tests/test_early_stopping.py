@@ -92,3 +92,15 @@ def test_early_stopping_counts_survive_a_checkpoint(tmp_path: Path) -> None:
         assert (after.best_map, after.stopping_best, after.stale) == (before.best_map, before.stopping_best,
                                                                       before.stale), meta
     assert (after.best_map, after.stale) == (0.5, 2) and math.isinf(FitEvaluation.best_map)
+
+
+def test_best_and_early_stopping_follow_the_tasks_map_as_rfdetrs_best_model_metric() -> None:
+    """rfdetr's ``best_model_metric="map"`` is the task's AP: a seg model's mask AP, the keypoint model's OKS AP."""
+    from spmd_rfdetr.training.evaluation import best_metric
+
+    assert [best_metric(v) for v in ("nano", "seg-nano", "keypoint-preview")] == [
+        "eval/mAP", "eval/segm_mAP", "eval/kp_mAP"]
+    ours = FitEvaluation(None, 1, Path("."), patience=2, metric="eval/kp_mAP")  # type: ignore[arg-type]
+    for box, keypoints in ((0.5, 0.1), (0.6, 0.05), (0.7, 0.02)):  # boxes improve, keypoints do not
+        ours.update({"eval/mAP": box, "eval/kp_mAP": keypoints})
+    assert ours.best_map == 0.1 and not ours.improved and ours.should_stop

@@ -258,9 +258,10 @@ class EvalOptions:
     early_stopping: bool = False
     """Inside ``fit``: stop when the watched mAP has not improved by ``early_stopping_min_delta`` for
     ``early_stopping_patience`` evaluations in a row (rfdetr's ``early_stopping``, counted in evaluations as its
-    Lightning callback counts validation epochs); ``last.pth`` is then written at that step. It watches ``eval/mAP``
-    (the EMA's with ``model.ema``), or the better of the raw and EMA mAP with ``base_model`` and
-    ``early_stopping_use_ema: false``, as rfdetr 1.11."""
+    Lightning callback counts validation epochs); ``last.pth`` is then written at that step. It watches the task's
+    mAP as rfdetr's ``best_model_metric: map`` (``eval/mAP``; a seg model's ``eval/segm_mAP``, the keypoint model's
+    ``eval/kp_mAP``; the EMA's with ``model.ema``), or the better of the raw and EMA one with ``base_model`` and
+    ``early_stopping_use_ema: false``, as rfdetr 1.11; ``best.pth`` keeps the best of the same mAP."""
     early_stopping_patience: int = 10
     """Evaluations without improvement before early stopping stops (rfdetr's default: 10)."""
     early_stopping_min_delta: float = 0.001

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch_xla
 
-from spmd_rfdetr.config.options import RunConfig
+from spmd_rfdetr.config.options import RunConfig, is_keypoint, is_segmentation
 from spmd_rfdetr.eval.evaluator import Evaluator, evaluator_for, refresh_parameter_data, save_result
 from spmd_rfdetr.xla.fabric import replicate_parameters
 
@@ -68,11 +68,14 @@ class FitEvaluation:
     """``eval.base_model`` with EMA: the raw weights, evaluated too, by the EMA's program (:func:`borrowed_weights`)."""
     use_ema: bool = False
     """``eval.early_stopping_use_ema``: with :attr:`raw_model`, watch the EMA's mAP alone, not the better of the two."""
+    metric: str = "eval/mAP"
+    """The mAP ``best.pth`` and early stopping follow (:func:`best_metric`)."""
 
     @property
     def watched(self) -> str:
         """What early stopping watches, as the records name it."""
-        return "eval/mAP" if self.raw_model is None or self.use_ema else "max(eval/raw_mAP, eval/mAP)"
+        raw = self.metric.replace("eval/", "eval/raw_")
+        return self.metric if self.raw_model is None or self.use_ema else f"max({raw}, {self.metric})"
 
     def due(self, step: int, max_steps: int) -> bool:
         """Whether ``step`` is an evaluation step."""
@@ -84,13 +87,13 @@ class FitEvaluation:
         return self.patience > 0 and self.stale >= self.patience
 
     def update(self, record: dict[str, float]) -> None:
-        """The best ``eval/mAP`` (:attr:`improved`) and early stopping's counts after one evaluation's record."""
-        self.improved = record["eval/mAP"] > self.best_map
+        """The best :attr:`metric` (:attr:`improved`) and early stopping's counts after one evaluation's record."""
+        self.improved = record[self.metric] > self.best_map
         if self.improved:
-            self.best_map = record["eval/mAP"]
-        watched = record["eval/mAP"]
-        if "eval/raw_mAP" in record and not self.use_ema:
-            watched = max(record["eval/raw_mAP"], watched)  # rfdetr's max(regular, ema)
+            self.best_map = record[self.metric]
+        watched, raw = record[self.metric], self.metric.replace("eval/", "eval/raw_")
+        if raw in record and not self.use_ema:
+            watched = max(record[raw], watched)  # rfdetr's max(regular, ema)
         if watched - self.min_delta > self.stopping_best:  # Lightning's EarlyStopping rule, mode max
             self.stopping_best, self.stale = watched, 0
         else:
@@ -144,4 +147,11 @@ def fit_evaluation(cfg: RunConfig, cfgs: Any, model: torch.nn.Module, fabric: An
         replicate_parameters(raw_model, evaluator.mesh)  # as the evaluated copy's, before the first training step
     return FitEvaluation(evaluator, every_steps, Path(cfg.trainer.output_dir), e.save_detections,
                          patience=e.early_stopping_patience if e.early_stopping else 0,
-                         min_delta=e.early_stopping_min_delta, raw_model=raw_model, use_ema=e.early_stopping_use_ema)
+                         min_delta=e.early_stopping_min_delta, raw_model=raw_model, use_ema=e.early_stopping_use_ema,
+                         metric=best_metric(cfg.model.variant))
+
+
+def best_metric(variant: str) -> str:
+    """The mAP ``best.pth`` and early stopping follow, as rfdetr's ``best_model_metric="map"``: the task's AP@50:95
+    (OKS keypoint AP for the keypoint model, mask AP for a seg model, else box AP)."""
+    return "eval/kp_mAP" if is_keypoint(variant) else "eval/segm_mAP" if is_segmentation(variant) else "eval/mAP"

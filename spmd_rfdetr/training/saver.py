@@ -55,7 +55,7 @@ class Saver:
     def best(self, step: int, evaluation: FitEvaluation) -> None:
         """``best.pth`` after an evaluation that improved the mAP."""
         self.weights("best.pth", step)
-        log.info("saved %s (eval/mAP %.4f)", self.run.out / "best.pth", evaluation.best_map)
+        log.info("saved %s (%s %.4f)", self.run.out / "best.pth", evaluation.metric, evaluation.best_map)
 
     def last(self, step: int) -> Path:
         """``last.pth`` at the end of the run."""

@@ -196,7 +196,7 @@ def evaluation(run: Run, trainer: Trainer, meta: dict[str, Any]) -> FitEvaluatio
     if evaluation is not None:
         evaluation.restore(meta)
         if run.resume_from:
-            log.info("resumed the evaluation state: best eval/mAP %g; early stopping watches %s: best %g, %d "
-                     "evaluation(s) without improvement", evaluation.best_map, evaluation.watched,
+            log.info("resumed the evaluation state: best %s %g; early stopping watches %s: best %g, %d "
+                     "evaluation(s) without improvement", evaluation.metric, evaluation.best_map, evaluation.watched,
                      evaluation.stopping_best, evaluation.stale)
     return evaluation

@@ -18,8 +18,8 @@ import yaml
 from jobs import JobInputs, job_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 30
-SIZE = 96  # the synth images' size and the model's resolution: neither side resizes an image
+STEPS = 20
+SIZE = 72  # the synth images' size and the model's resolution: neither side resizes an image (synth: >= 64 px)
 VALID = 16
 
 #: Upstream rfdetr alone: ``RFDETR.from_checkpoint`` on our weight file, its ``predict`` keypoints.
@@ -66,9 +66,9 @@ def keypoint_run(inputs: JobInputs, base: Path) -> KeypointRun:
                "--train_images", "64", "--valid_images", str(VALID), "--test_images", "0", env=env)
     assert made.returncode == 0, made.stderr[-3000:]
     cfg = yaml.safe_load((ROOT / "configs" / "cpu-keypoints.yaml").read_text())
-    cfg["model"].update(backbone_blocks=2)
+    cfg["model"].update(backbone_blocks=2, resolution=SIZE)
     cfg["data"].update(dataset_dir=str(data), num_workers=0)
-    cfg["trainer"].update(output_dir=str(base / "run"), max_steps=STEPS, log_every=STEPS // 3)
+    cfg["trainer"].update(output_dir=str(base / "run"), max_steps=STEPS, log_every=STEPS // 4)
     cfg["eval"].update(every_steps=STEPS, save_detections=True)
     config = base / "keypoints.yaml"
     config.write_text(yaml.safe_dump(cfg))

@@ -197,7 +197,7 @@ def test_seg_step_on_the_mesh_equals_upstream_and_replays(mesh_trainer: Any) -> 
     from spmd_rfdetr.data.pixels import upstream_float
     from spmd_rfdetr.training.metrics import xla_counters
 
-    from support.models import parity_tolerance
+    from support.models import gradient_relative_error, parity_tolerance
 
     from spmd_rfdetr.training.optim import build_optimizer
 
@@ -242,11 +242,8 @@ def test_seg_step_on_the_mesh_equals_upstream_and_replays(mesh_trainer: Any) -> 
             for key in ("loss_ce", "loss_bbox", "loss_giou", "loss_mask_ce", "loss_mask_dice"):
                 value = float(expected[key])
                 assert abs(stats[key] - value) <= 1e-5 * max(1.0, abs(value)), (key, stats)
-            want = [p.grad if p.grad is not None else torch.zeros(p.shape) for p in reference_net.parameters()]
-            have = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in traced.model.parameters()]
-            diff = torch.sqrt(sum(((h - w) ** 2).sum() for h, w in zip(have, want)))
-            norm = torch.sqrt(sum((w ** 2).sum() for w in want))
-            assert diff / norm <= 1e-4, f"gradient relative L2 error {float(diff / norm):.3g}"
+            error = gradient_relative_error(traced.model.parameters(), reference_net.parameters())
+            assert error <= 1e-4, f"gradient relative L2 error {error:.3g}"
         optimizer.step()
     del traced
 
@@ -268,4 +265,4 @@ def test_seg_step_on_the_mesh_equals_upstream_and_replays(mesh_trainer: Any) -> 
     stats = replayed.step.read(outputs[-1])
     assert stats["loss_mask_dice"] > 0 and stats["matcher_unconverged"] == 0
     print(f"seg step: compiles at steps 1-2 {before['xla_compiles'] - start['xla_compiles']}, step-1 grad rel L2 "
-          f"{float(diff / norm):.3g}, losses (ours, upstream) {losses}")
+          f"{error:.3g}, losses (ours, upstream) {losses}")

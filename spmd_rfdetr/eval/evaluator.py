@@ -222,6 +222,7 @@ def run_detection(
     order, as on one host). Padding rows (id -1) are dropped here.
     """
     parts: dict[str, list[Any]] = {"rows": [], "image_ids": [], "segmentations": [], "keypoints": []}
+    keypoints = getattr(forward, "head", None) == "keypoints"  # a stand-in forward may not say
     pending: tuple[Any, np.ndarray, np.ndarray] | None = None
 
     def collect(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor], image_id: np.ndarray,
@@ -230,7 +231,7 @@ def run_detection(
         rows, extra = out if isinstance(out, tuple) else (out, None)
         parts["rows"].append(rows.cpu().numpy()[real])
         parts["image_ids"].append(image_id[real])
-        if forward.head == "keypoints":
+        if keypoints:
             parts["keypoints"].append(extra.cpu().numpy()[real])
         elif extra is not None:  # a seg model's mask logits
             logits = extra.cpu().numpy()

@@ -190,3 +190,12 @@ def parity_tolerance(step: int) -> float:
     5.6e-4): steps 1 and 2 against it to 1e-5, later steps to this tolerance.
     """
     return 1e-5 if step == 1 else 1e-4 if step == 2 else 2e-3
+
+
+def gradient_relative_error(ours: Any, reference: Any) -> float:
+    """Relative L2 error of the gradients of parameters ``ours`` (e.g. on the XLA mesh) against ``reference``'s (same
+    order; a parameter without a gradient counts as zeros)."""
+    want = [p.grad if p.grad is not None else torch.zeros(p.shape) for p in reference]
+    have = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in ours]
+    diff = torch.sqrt(sum(((h - w) ** 2).sum() for h, w in zip(have, want, strict=True)))
+    return float(diff / torch.sqrt(sum((w ** 2).sum() for w in want)))

@@ -14,12 +14,11 @@ wrong length or a visibility outside 0..2 with its own message). Crowd annotatio
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-from spmd_rfdetr.data.check_masks import OUTSIDE_TOLERANCE_PX, Size
+from spmd_rfdetr.data.check_masks import OUTSIDE_TOLERANCE_PX, Size, annotation_files
 from spmd_rfdetr.data.files import Finding, SplitData
 
 #: kind -> (what it is, how to fix it); :data:`spmd_rfdetr.data.check_report.KINDS` holds these too.
@@ -44,11 +43,7 @@ def keypoint_findings(data: SplitData, sizes: dict[str, Size], *, train: bool) -
     height) as the check knows it), and notes (flips off); ``train``: the split ``fit`` trains on."""
     found: list[Finding] = []
     notes: list[str] = []
-    for source in dict.fromkeys(entry.source for entry in data.entries):
-        try:
-            coco = json.loads(Path(source).read_bytes())
-        except (OSError, ValueError):  # read a moment ago: changed since; the next check reports it
-            continue
+    for source, coco in annotation_files(data):
         counts = _declared_counts(coco)
         if not counts and not any(isinstance(a, dict) and a.get("keypoints") for a in coco.get("annotations", [])):
             found.append(Finding(data.split, str(source), "no_keypoint_categories", "no category lists 'keypoints' "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +45,7 @@ def mask_findings(data: SplitData, sizes: dict[str, Size], *, train: bool) -> li
     checked = {box.ann: (entry, box) for entry in data.entries if entry.name in sizes for box in entry.boxes
                if not box.crowd}
     found: list[Finding] = []
-    for source in dict.fromkeys(entry.source for entry in data.entries):
-        try:
-            coco = json.loads(Path(source).read_bytes())
-        except (OSError, ValueError):  # read a moment ago: changed since; the next check reports it
-            continue
+    for source, coco in annotation_files(data):
         names = {image.get("id"): image.get("file_name") for image in coco.get("images", []) if isinstance(image, dict)}
         for i, ann in enumerate(coco.get("annotations", [])):
             if not isinstance(ann, dict) or ann.get("iscrowd", 0):
@@ -62,6 +58,16 @@ def mask_findings(data: SplitData, sizes: dict[str, Size], *, train: bool) -> li
                 found.append(Finding(data.split, str(source), "mask_without_box", "a mask, but no 'bbox' on "
                                      f"{Path(str(names[ann['image_id']])).name}", where, str(names[ann["image_id"]])))
     return found
+
+
+def annotation_files(data: SplitData) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Each COCO annotation file of ``data``'s images, parsed (one read a moment ago and changed since is left out:
+    the next check reports it)."""
+    for source in dict.fromkeys(entry.source for entry in data.entries):
+        try:
+            yield source, json.loads(Path(source).read_bytes())
+        except (OSError, ValueError):
+            continue
 
 
 def merge(findings: Sequence[Finding], masks: Sequence[Finding]) -> list[Finding]:

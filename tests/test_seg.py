@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40
 SCALES = [84, 96]  # two of rfdetr's multi-scale sizes for Seg Nano at 96 px: the split is read at 96
 PNG_SIZE = 96  # the model's resolution: both sides' resizes are the identity
+BACKBONE_BLOCKS = 2  # of DINOv2's 12: every program compiles and runs several times faster (the suite's budget)
 
 #: Upstream rfdetr alone: ``RFDETR.from_checkpoint`` on our weight file, its ``predict`` masks as COCO RLE.
 UPSTREAM_SEG_PREDICT = """
@@ -69,6 +70,7 @@ def seg_run(inputs: JobInputs, base: Path) -> SegRun:
     ``from_checkpoint`` predict in a process without torch_xla."""
     cfg = yaml.safe_load((ROOT / "configs" / "cpu-seg.yaml").read_text())
     out = base / "run"
+    cfg["model"].update(backbone_blocks=BACKBONE_BLOCKS)
     cfg["data"].update(dataset_dir=inputs.synth_dir, num_workers=0, multi_scale=True, scales=SCALES)
     cfg["mesh"].update(fsdp=2)
     cfg["trainer"].update(output_dir=str(base / "not-this-one"), max_steps=1, log_every=STEPS // 4)  # train() sets

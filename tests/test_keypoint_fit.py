@@ -48,6 +48,10 @@ class KeypointRun:
     predicted: Path
     """``predict`` of ``last.pth`` on the valid split's images."""
     upstream: subprocess.CompletedProcess
+    exported: subprocess.CompletedProcess
+    """``export`` of ``last.pth`` to :attr:`onnx`, as a user runs it (its own process: in this one, after the mesh
+    tests, the same export took 70 s instead of 7)."""
+    onnx: Path
 
 
 def cli(*args: str, env: dict[str, str], timeout: float = 1800) -> subprocess.CompletedProcess:
@@ -58,8 +62,8 @@ def cli(*args: str, env: dict[str, str], timeout: float = 1800) -> subprocess.Co
 @job_fixture
 def keypoint_run(inputs: JobInputs, base: Path) -> KeypointRun:
     """``synth --keypoints`` at the model's size, ``configs/cpu-keypoints.yaml`` with 2 backbone blocks for
-    :data:`STEPS` steps (evaluated at the last), ``predict`` of ``last.pth`` on the valid images and upstream's
-    ``from_checkpoint`` predict of the same images in a process without torch_xla."""
+    :data:`STEPS` steps (evaluated at the last), ``predict`` of ``last.pth`` on the valid images, upstream's
+    ``from_checkpoint`` predict of the same images in a process without torch_xla, and ``export`` of ``last.pth``."""
     env = {**inputs.env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
     data = base / "data"
     made = cli("synth", "--output_dir", str(data), "--keypoints", "true", "--image_size", str(SIZE),
@@ -82,7 +86,9 @@ def keypoint_run(inputs: JobInputs, base: Path) -> KeypointRun:
     upstream = subprocess.run([sys.executable, "-c", UPSTREAM_KEYPOINT_PREDICT, str(base / "run" / "last.pth"),
                                *map(str, images)], cwd=base, env={**no_xla, "USE_TORCH_XLA": "0"},
                               capture_output=True, text=True, timeout=900)
-    return KeypointRun(base / "run", data, fit, predicted, upstream)
+    onnx = base / "keypoints.onnx"
+    exported = cli("export", "--checkpoint", str(base / "run" / "last.pth"), "--output", str(onnx), env=env)
+    return KeypointRun(base / "run", data, fit, predicted, upstream, exported, onnx)
 
 
 def final_record(run: KeypointRun) -> dict:
@@ -154,37 +160,14 @@ def test_oks_map_equals_upstream_eager_eval_of_last_pth(keypoint_run: KeypointRu
     builds it: the keypoint results the fit's final evaluation scored, detection by detection, and its ``eval/mAP`` and
     ``eval/kp_mAP`` (and the rest of both summaries) to 1e-4."""
     from rfdetr.config import TrainConfig
-    from rfdetr.datasets import get_coco_api_from_dataset
-    from rfdetr.evaluation.coco_eval import CocoEvaluator
 
-    from spmd_rfdetr.config.options import RunConfig
-    from spmd_rfdetr.data.splits import upstream_split
     from spmd_rfdetr.eval.coco import stat_names
     from spmd_rfdetr.eval.keypoints import keypoint_stat_names
-    from spmd_rfdetr.model.inputs import as_samples
-    from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
-    from spmd_rfdetr.model.weights import inference_config, read_weights
+    from support.runs import upstream_coco_eval
 
     record = final_record(keypoint_run)
-    saved = read_weights(keypoint_run.out / "last.pth")
-    cfg = inference_config(RunConfig(), saved)
-    cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, cfg.model.num_classes)
-    net = build_model(cfgs)
-    net.load_state_dict(saved.state_dict)
-    net.eval()
-    postprocess = build_upstream_criterion(cfgs)[1]
-    dataset = upstream_split(cfgs, "valid")
+    evaluator = upstream_coco_eval(keypoint_run.out / "last.pth", ["bbox", "keypoints"])
     max_dets = TrainConfig.model_fields["eval_max_dets"].default
-    evaluator = CocoEvaluator(get_coco_api_from_dataset(dataset), ["bbox", "keypoints"], max_dets=max_dets,
-                              log_summary=False)
-    with torch.no_grad():
-        for start in range(0, len(dataset), 8):
-            items = [dataset[i] for i in range(start, min(start + 8, len(dataset)))]
-            outputs = net(as_samples(torch.stack([image for image, _ in items])))
-            sizes = torch.stack([target["orig_size"] for _, target in items])
-            evaluator.update({int(t["image_id"]): r for (_, t), r in zip(items, postprocess(outputs, sizes))})
-    evaluator.synchronize_between_processes()
-    evaluator.accumulate()
     ours = json.loads((keypoint_run.out / "eval" / f"step{STEPS:07d}_keypoints.json").read_text())
     _same_keypoint_results(ours, evaluator.coco_results["keypoints"])
     for prefix, iou_type, names in (("eval/", "bbox", stat_names(max_dets)),
@@ -234,12 +217,11 @@ def test_upstream_from_checkpoint_predicts_our_keypoints(keypoint_run: KeypointR
 
 
 @pytest.mark.slow
-def test_export_onnx_of_the_keypoint_model_runs_like_the_eager_model(keypoint_run: KeypointRun, tmp_path: Path) -> None:
+def test_export_onnx_of_the_keypoint_model_runs_like_the_eager_model(keypoint_run: KeypointRun) -> None:
     """``export`` of ``last.pth`` through rfdetr's exporter: an ONNX graph with rfdetr's ``keypoints`` output (raw, of
     the last layer), equal under onnxruntime to the eager model's boxes, logits and keypoints."""
     onnxruntime = pytest.importorskip("onnxruntime", reason="ONNX export needs rfdetr's onnx extra")
 
-    from spmd_rfdetr.cli import main
     from spmd_rfdetr.config.options import RunConfig
     from spmd_rfdetr.model.inputs import as_samples
     from spmd_rfdetr.model.upstream import build_model, upstream_configs
@@ -247,8 +229,8 @@ def test_export_onnx_of_the_keypoint_model_runs_like_the_eager_model(keypoint_ru
 
     final_record(keypoint_run)
     checkpoint = keypoint_run.out / "last.pth"
-    main(["export", "--checkpoint", str(checkpoint), "--output", str(tmp_path / "keypoints.onnx")])
-    session = onnxruntime.InferenceSession(str(tmp_path / "keypoints.onnx"), providers=["CPUExecutionProvider"])
+    assert keypoint_run.exported.returncode == 0, keypoint_run.exported.stderr[-3000:]
+    session = onnxruntime.InferenceSession(str(keypoint_run.onnx), providers=["CPUExecutionProvider"])
     image = torch.randn(1, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
     outputs = dict(zip([o.name for o in session.get_outputs()],
                        session.run(None, {session.get_inputs()[0].name: image.numpy()})))

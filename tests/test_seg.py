@@ -56,6 +56,9 @@ class SegRun:
     ours_png: Path
     """``predict`` of ``best.pth`` on :attr:`pngs`."""
     upstream: subprocess.CompletedProcess
+    exported: subprocess.CompletedProcess
+    """``export`` of ``last.pth`` to :attr:`onnx`, in its own process as a user runs it."""
+    onnx: Path
 
 
 def cli(*args: str, env: dict[str, str], timeout: float = 1800) -> subprocess.CompletedProcess:
@@ -67,7 +70,7 @@ def cli(*args: str, env: dict[str, str], timeout: float = 1800) -> subprocess.Co
 def seg_run(inputs: JobInputs, base: Path) -> SegRun:
     """``configs/cpu-seg.yaml`` for :data:`STEPS` steps on the session dataset (evaluated at the last) with
     multi-scale buckets :data:`SCALES` and a 2 x 2 (data x fsdp) mesh, then ``predict`` twice and upstream's
-    ``from_checkpoint`` predict in a process without torch_xla."""
+    ``from_checkpoint`` predict in a process without torch_xla, and ``export`` of ``last.pth``."""
     cfg = yaml.safe_load((ROOT / "configs" / "cpu-seg.yaml").read_text())
     out = base / "run"
     cfg["model"].update(backbone_blocks=BACKBONE_BLOCKS)
@@ -99,7 +102,9 @@ def seg_run(inputs: JobInputs, base: Path) -> SegRun:
     upstream = subprocess.run([sys.executable, "-c", UPSTREAM_SEG_PREDICT, str(out / "best.pth"), *map(str, pngs)],
                               cwd=base, env={**no_xla, "USE_TORCH_XLA": "0"}, capture_output=True, text=True,
                               timeout=900)
-    return SegRun(out, fit, predicted, pngs, ours_png, upstream)
+    onnx = base / "seg.onnx"
+    exported = cli("export", "--checkpoint", str(out / "last.pth"), "--output", str(onnx), env=env)
+    return SegRun(out, fit, predicted, pngs, ours_png, upstream, exported, onnx)
 
 
 def final_record(run: SegRun) -> dict:
@@ -159,36 +164,13 @@ def test_segm_map_equals_upstream_eager_eval_of_last_pth(seg_run: SegRun) -> Non
     each image) and its ``CocoEvaluator`` for bbox and segm on the valid split as rfdetr builds it: the fit's final
     ``eval/mAP`` and ``eval/segm_mAP`` (and the rest of both summaries) to 1e-4."""
     from rfdetr.config import TrainConfig
-    from rfdetr.datasets import get_coco_api_from_dataset
-    from rfdetr.evaluation.coco_eval import CocoEvaluator
 
     from spmd_rfdetr.eval.coco import stat_names
-    from spmd_rfdetr.config.options import RunConfig
-    from spmd_rfdetr.data.splits import upstream_split
-    from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
-    from spmd_rfdetr.model.inputs import as_samples
-    from spmd_rfdetr.model.weights import inference_config, read_weights
+    from support.runs import upstream_coco_eval
 
     record = final_record(seg_run)
-    saved = read_weights(seg_run.out / "last.pth")
-    cfg = inference_config(RunConfig(), saved)
-    cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, cfg.model.num_classes)
-    net = build_model(cfgs)
-    net.load_state_dict(saved.state_dict)
-    net.eval()
-    postprocess = build_upstream_criterion(cfgs)[1]
-    dataset = upstream_split(cfgs, "valid")
+    evaluator = upstream_coco_eval(seg_run.out / "last.pth", ["bbox", "segm"])
     max_dets = TrainConfig.model_fields["eval_max_dets"].default
-    evaluator = CocoEvaluator(get_coco_api_from_dataset(dataset), ["bbox", "segm"], max_dets=max_dets,
-                              log_summary=False)
-    with torch.no_grad():
-        for start in range(0, len(dataset), 8):
-            items = [dataset[i] for i in range(start, min(start + 8, len(dataset)))]
-            outputs = net(as_samples(torch.stack([image for image, _ in items])))
-            sizes = torch.stack([target["orig_size"] for _, target in items])
-            evaluator.update({int(t["image_id"]): r for (_, t), r in zip(items, postprocess(outputs, sizes))})
-    evaluator.synchronize_between_processes()
-    evaluator.accumulate()
     names = stat_names(max_dets)
     for prefix, iou_type in (("eval/", "bbox"), ("eval/segm_", "segm")):
         ours = np.asarray([record[prefix + name] for name in names])
@@ -229,12 +211,11 @@ def test_upstream_from_checkpoint_predicts_our_masks(seg_run: SegRun) -> None:
 
 
 @pytest.mark.slow
-def test_export_onnx_of_a_seg_model_runs_like_the_eager_model(seg_run: SegRun, tmp_path: Path) -> None:
+def test_export_onnx_of_a_seg_model_runs_like_the_eager_model(seg_run: SegRun) -> None:
     """``export`` of ``last.pth`` through rfdetr's exporter: an ONNX graph with rfdetr's ``masks`` output, equal under
     onnxruntime to the eager model's boxes, logits and mask logits."""
     onnxruntime = pytest.importorskip("onnxruntime", reason="ONNX export needs rfdetr's onnx extra")
 
-    from spmd_rfdetr.cli import main
     from spmd_rfdetr.config.options import RunConfig
     from spmd_rfdetr.model.upstream import build_model, upstream_configs
     from spmd_rfdetr.model.inputs import as_samples
@@ -242,8 +223,8 @@ def test_export_onnx_of_a_seg_model_runs_like_the_eager_model(seg_run: SegRun, t
 
     final_record(seg_run)
     checkpoint = seg_run.out / "last.pth"
-    main(["export", "--checkpoint", str(checkpoint), "--output", str(tmp_path / "seg.onnx")])
-    session = onnxruntime.InferenceSession(str(tmp_path / "seg.onnx"), providers=["CPUExecutionProvider"])
+    assert seg_run.exported.returncode == 0, seg_run.exported.stderr[-3000:]
+    session = onnxruntime.InferenceSession(str(seg_run.onnx), providers=["CPUExecutionProvider"])
     image = torch.randn(1, 3, PNG_SIZE, PNG_SIZE, generator=torch.Generator().manual_seed(0))
     outputs = dict(zip([o.name for o in session.get_outputs()],
                        session.run(None, {session.get_inputs()[0].name: image.numpy()})))

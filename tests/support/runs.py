@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,3 +119,39 @@ class PreemptedRun:
     """Step -> loss as logged by the first two processes."""
     last: tuple[int, str, str]
     """The last process's exit code, stdout and stderr."""
+
+
+def upstream_coco_eval(weights: Path, iou_types: list[str]) -> Any:
+    """Upstream rfdetr on the CPU, eager, scoring a ``fit`` weight file: its model with the file's weights, its
+    ``PostProcess`` and its ``CocoEvaluator`` (``iou_types``, rfdetr's default maxDets) on the valid split as rfdetr
+    builds it; returns the accumulated evaluator (``coco_eval[iou_type].stats``, ``coco_results``)."""
+    import torch
+    from rfdetr.config import TrainConfig
+    from rfdetr.datasets import get_coco_api_from_dataset
+    from rfdetr.evaluation.coco_eval import CocoEvaluator
+
+    from spmd_rfdetr.config.options import RunConfig
+    from spmd_rfdetr.data.splits import upstream_split
+    from spmd_rfdetr.model.inputs import as_samples
+    from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
+    from spmd_rfdetr.model.weights import inference_config, read_weights
+
+    saved = read_weights(weights)
+    cfg = inference_config(RunConfig(), saved)
+    cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, cfg.model.num_classes)
+    net = build_model(cfgs)
+    net.load_state_dict(saved.state_dict)
+    net.eval()
+    postprocess = build_upstream_criterion(cfgs)[1]
+    dataset = upstream_split(cfgs, "valid")
+    evaluator = CocoEvaluator(get_coco_api_from_dataset(dataset), iou_types,
+                              max_dets=TrainConfig.model_fields["eval_max_dets"].default, log_summary=False)
+    with torch.no_grad():
+        for start in range(0, len(dataset), 8):
+            items = [dataset[i] for i in range(start, min(start + 8, len(dataset)))]
+            outputs = net(as_samples(torch.stack([image for image, _ in items])))
+            sizes = torch.stack([target["orig_size"] for _, target in items])
+            evaluator.update({int(t["image_id"]): r for (_, t), r in zip(items, postprocess(outputs, sizes))})
+    evaluator.synchronize_between_processes()
+    evaluator.accumulate()
+    return evaluator

@@ -88,10 +88,11 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: str, output_dir: str | None 
 def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
     """Detect on every image of the folder ``images``; writes COCO results to ``output`` (+ ``.images.json``).
 
-    Category ids are the dataset's (``data.dataset_dir``'s train split label mapping, as in training); boxes are
-    ``[x, y, w, h]`` in pixels of each original image; ``num_select`` detections per image, no score threshold; a seg
-    model's detections also carry their mask as a COCO RLE ``segmentation`` at the image's size, the keypoint model's
-    their ``keypoints`` (COCO's flat ``x, y, confidence`` per keypoint of the class, pixels; scores fused as rfdetr's).
+    Category ids are the dataset's (``data.dataset_dir``'s train split label mapping, as in training; a YOLO
+    dataset's class index); boxes are ``[x, y, w, h]`` in pixels of each original image; ``num_select`` detections
+    per image, no score threshold; a seg model's detections also carry their mask as a COCO RLE ``segmentation`` at
+    the image's size, the keypoint model's their ``keypoints`` (COCO's flat ``x, y, confidence`` per keypoint of the
+    class, pixels; scores fused as rfdetr's).
     """
     cfg, fabric, cfgs, net = load_for_inference(cfg, checkpoint)
     check_data(cfg, [], images=images)  # every image of the folder readable, before the eval program compiles
@@ -102,7 +103,9 @@ def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
     hosts.check_same_on_all_hosts(f"the number of images in {images}", len(folder))  # else: a hang
     keypoints = cfgs.model.num_keypoints_per_class if cfgs.model.use_grouppose_keypoints else None
     label2cat = label2cat_for(cfg.data.dataset_dir, keypoints)
-    if label2cat is None:
+    yolo = cfg.data.dataset_format == "yolo" or any(Path(cfg.data.dataset_dir, n).is_file()
+                                                    for n in ("data.yaml", "data.yml"))
+    if label2cat is None and not yolo:  # a YOLO dataset's category is its class index: nothing lost
         log.warning("%s has no readable train/_annotations.coco.json: category_id is the label index",
                     cfg.data.dataset_dir)
     batch_size, num_select = eval_sizes(cfg, cfgs)

@@ -49,8 +49,7 @@ class KeypointRun:
     """``predict`` of ``last.pth`` on the valid split's images."""
     upstream: subprocess.CompletedProcess
     exported: subprocess.CompletedProcess
-    """``export`` of ``last.pth`` to :attr:`onnx`, as a user runs it (its own process: in this one, after the mesh
-    tests, the same export took 70 s instead of 7)."""
+    """``export`` of ``last.pth`` to :attr:`onnx`, in its own process as a user runs it."""
     onnx: Path
 
 

@@ -103,8 +103,10 @@ def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
     hosts.check_same_on_all_hosts(f"the number of images in {images}", len(folder))  # else: a hang
     keypoints = cfgs.model.num_keypoints_per_class if cfgs.model.use_grouppose_keypoints else None
     label2cat = label2cat_for(cfg.data.dataset_dir, keypoints)
-    yolo = cfg.data.dataset_format == "yolo" or any(Path(cfg.data.dataset_dir, n).is_file()
-                                                    for n in ("data.yaml", "data.yml"))
+    # lazy: rfdetr imports torch_xla (load_for_inference chose the device above)
+    from rfdetr.datasets.yolo import find_yolo_data_file
+
+    yolo = cfg.data.dataset_format == "yolo" or find_yolo_data_file(cfg.data.dataset_dir) is not None
     if label2cat is None and not yolo:  # a YOLO dataset's category is its class index: nothing lost
         log.warning("%s has no readable train/_annotations.coco.json: category_id is the label index",
                     cfg.data.dataset_dir)

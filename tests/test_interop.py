@@ -96,7 +96,7 @@ def test_export_onnx_runs_like_the_eager_model(fit_run, tmp_path):
     import onnxruntime
 
     from spmd_rfdetr.cli import main
-    from spmd_rfdetr.model.upstream import build_model, upstream_configs
+    from support.models import eager_model
 
     checkpoint = fit_run / "last.pth"
     main(["export", "--checkpoint", str(checkpoint), "--output", str(tmp_path / "tiny.onnx")])
@@ -107,12 +107,9 @@ def test_export_onnx_runs_like_the_eager_model(fit_run, tmp_path):
     outputs = dict(zip([o.name for o in session.get_outputs()],
                        session.run(None, {session.get_inputs()[0].name: normalized.numpy()})))
 
-    saved = read_weights(checkpoint)
-    cfg = inference_config(RunConfig(), saved)
-    net = build_model(upstream_configs(cfg.model, cfg.data, cfg.optim, cfg.model.num_classes))
-    net.load_state_dict(saved.state_dict)
+    net, _ = eager_model(checkpoint)
     with torch.no_grad():
-        eager = net.eval()(as_samples(normalized))
+        eager = net(as_samples(normalized))
     np.testing.assert_allclose(outputs["dets"], eager["pred_boxes"].numpy(), atol=1e-4)
     np.testing.assert_allclose(outputs["labels"], eager["pred_logits"].numpy(), atol=1e-3)
 

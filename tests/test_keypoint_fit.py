@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import yaml
 from jobs import JobInputs, job_fixture
+from support.runs import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20
@@ -51,11 +51,6 @@ class KeypointRun:
     exported: subprocess.CompletedProcess
     """``export`` of ``last.pth`` to :attr:`onnx`, in its own process as a user runs it."""
     onnx: Path
-
-
-def cli(*args: str, env: dict[str, str], timeout: float = 1800) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spmd_rfdetr", *args], cwd=ROOT, env=env, text=True,
-                          capture_output=True, timeout=timeout)
 
 
 @job_fixture
@@ -219,27 +214,9 @@ def test_upstream_from_checkpoint_predicts_our_keypoints(keypoint_run: KeypointR
 def test_export_onnx_of_the_keypoint_model_runs_like_the_eager_model(keypoint_run: KeypointRun) -> None:
     """``export`` of ``last.pth`` through rfdetr's exporter: an ONNX graph with rfdetr's ``keypoints`` output (raw, of
     the last layer), equal under onnxruntime to the eager model's boxes, logits and keypoints."""
-    onnxruntime = pytest.importorskip("onnxruntime", reason="ONNX export needs rfdetr's onnx extra")
-
-    from spmd_rfdetr.config.options import RunConfig
-    from spmd_rfdetr.model.inputs import as_samples
-    from spmd_rfdetr.model.upstream import build_model, upstream_configs
-    from spmd_rfdetr.model.weights import inference_config, read_weights
+    pytest.importorskip("onnxruntime", reason="ONNX export needs rfdetr's onnx extra")
+    from support.models import assert_onnx_runs_like_eager
 
     final_record(keypoint_run)
-    checkpoint = keypoint_run.out / "last.pth"
     assert keypoint_run.exported.returncode == 0, keypoint_run.exported.stderr[-3000:]
-    session = onnxruntime.InferenceSession(str(keypoint_run.onnx), providers=["CPUExecutionProvider"])
-    image = torch.randn(1, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
-    outputs = dict(zip([o.name for o in session.get_outputs()],
-                       session.run(None, {session.get_inputs()[0].name: image.numpy()})))
-    saved = read_weights(checkpoint)
-    cfg = inference_config(RunConfig(), saved)
-    net = build_model(upstream_configs(cfg.model, cfg.data, cfg.optim, cfg.model.num_classes))
-    net.load_state_dict(saved.state_dict)
-    with torch.no_grad():
-        eager = net.eval()(as_samples(image))
-    assert set(outputs) == {"dets", "labels", "keypoints"}
-    np.testing.assert_allclose(outputs["dets"], eager["pred_boxes"].numpy(), atol=1e-4)
-    np.testing.assert_allclose(outputs["labels"], eager["pred_logits"].numpy(), atol=1e-3)
-    np.testing.assert_allclose(outputs["keypoints"], eager["pred_keypoints"].numpy(), atol=1e-3)
+    assert_onnx_runs_like_eager(keypoint_run.onnx, keypoint_run.out / "last.pth", SIZE, "keypoints")

@@ -17,6 +17,7 @@ import torch
 import yaml
 from jobs import JobInputs, job_fixture
 from PIL import Image
+from support.runs import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40
@@ -59,11 +60,6 @@ class SegRun:
     exported: subprocess.CompletedProcess
     """``export`` of ``last.pth`` to :attr:`onnx`, in its own process as a user runs it."""
     onnx: Path
-
-
-def cli(*args: str, env: dict[str, str], timeout: float = 1800) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spmd_rfdetr", *args], cwd=ROOT, env=env, text=True,
-                          capture_output=True, timeout=timeout)
 
 
 @job_fixture
@@ -214,27 +210,9 @@ def test_upstream_from_checkpoint_predicts_our_masks(seg_run: SegRun) -> None:
 def test_export_onnx_of_a_seg_model_runs_like_the_eager_model(seg_run: SegRun) -> None:
     """``export`` of ``last.pth`` through rfdetr's exporter: an ONNX graph with rfdetr's ``masks`` output, equal under
     onnxruntime to the eager model's boxes, logits and mask logits."""
-    onnxruntime = pytest.importorskip("onnxruntime", reason="ONNX export needs rfdetr's onnx extra")
-
-    from spmd_rfdetr.config.options import RunConfig
-    from spmd_rfdetr.model.upstream import build_model, upstream_configs
-    from spmd_rfdetr.model.inputs import as_samples
-    from spmd_rfdetr.model.weights import inference_config, read_weights
+    pytest.importorskip("onnxruntime", reason="ONNX export needs rfdetr's onnx extra")
+    from support.models import assert_onnx_runs_like_eager
 
     final_record(seg_run)
-    checkpoint = seg_run.out / "last.pth"
     assert seg_run.exported.returncode == 0, seg_run.exported.stderr[-3000:]
-    session = onnxruntime.InferenceSession(str(seg_run.onnx), providers=["CPUExecutionProvider"])
-    image = torch.randn(1, 3, PNG_SIZE, PNG_SIZE, generator=torch.Generator().manual_seed(0))
-    outputs = dict(zip([o.name for o in session.get_outputs()],
-                       session.run(None, {session.get_inputs()[0].name: image.numpy()})))
-    saved = read_weights(checkpoint)
-    cfg = inference_config(RunConfig(), saved)
-    net = build_model(upstream_configs(cfg.model, cfg.data, cfg.optim, cfg.model.num_classes))
-    net.load_state_dict(saved.state_dict)
-    with torch.no_grad():
-        eager = net.eval()(as_samples(image))
-    assert set(outputs) == {"dets", "labels", "masks"}
-    np.testing.assert_allclose(outputs["dets"], eager["pred_boxes"].numpy(), atol=1e-4)
-    np.testing.assert_allclose(outputs["labels"], eager["pred_logits"].numpy(), atol=1e-3)
-    np.testing.assert_allclose(outputs["masks"], eager["pred_masks"].numpy(), atol=1e-3)
+    assert_onnx_runs_like_eager(seg_run.onnx, seg_run.out / "last.pth", PNG_SIZE, "masks")

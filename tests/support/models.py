@@ -199,3 +199,39 @@ def gradient_relative_error(ours: Any, reference: Any) -> float:
     have = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in ours]
     diff = torch.sqrt(sum(((h - w) ** 2).sum() for h, w in zip(have, want, strict=True)))
     return float(diff / torch.sqrt(sum((w ** 2).sum() for w in want)))
+
+
+def eager_model(weights: Path) -> tuple[torch.nn.Module, Any]:
+    """A ``fit`` weight file's model on the CPU, eager, in eval mode, as its recorded architecture builds it (rfdetr's
+    ``LWDETR`` with the file's weights), and its :class:`~spmd_rfdetr.model.upstream.UpstreamConfigs`."""
+    from spmd_rfdetr.model.upstream import build_model, upstream_configs
+    from spmd_rfdetr.model.weights import inference_config, read_weights
+
+    saved = read_weights(weights)
+    cfg = inference_config(RunConfig(), saved)
+    cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, cfg.model.num_classes)
+    net = build_model(cfgs)
+    net.load_state_dict(saved.state_dict)
+    return net.eval(), cfgs
+
+
+def assert_onnx_runs_like_eager(onnx: Path, weights: Path, size: int, head: str) -> None:
+    """``onnx`` (``export`` of ``weights``) under onnxruntime equals the eager model on one random image: rfdetr's
+    outputs ``dets``, ``labels`` and the head's own (``masks``, ``keypoints``) to the eager boxes, logits and
+    ``pred_<head>``."""
+    import numpy as np
+    import onnxruntime
+
+    from spmd_rfdetr.model.inputs import as_samples
+
+    session = onnxruntime.InferenceSession(str(onnx), providers=["CPUExecutionProvider"])
+    image = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(0))
+    outputs = dict(zip([o.name for o in session.get_outputs()],
+                       session.run(None, {session.get_inputs()[0].name: image.numpy()})))
+    net, _ = eager_model(weights)
+    with torch.no_grad():
+        eager = net(as_samples(image))
+    assert set(outputs) == {"dets", "labels", head}
+    np.testing.assert_allclose(outputs["dets"], eager["pred_boxes"].numpy(), atol=1e-4)
+    np.testing.assert_allclose(outputs["labels"], eager["pred_logits"].numpy(), atol=1e-3)
+    np.testing.assert_allclose(outputs[head], eager[f"pred_{head}"].numpy(), atol=1e-3)

@@ -11,12 +11,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
+
+
+def cli(*args: str, env: dict[str, str], timeout: float = 1800) -> subprocess.CompletedProcess:
+    """``python -m spmd_rfdetr *args`` from the repository with ``env``, its output captured."""
+    return subprocess.run([sys.executable, "-m", "spmd_rfdetr", *args], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=timeout)
 
 
 def read_metrics(out: Path) -> list[dict]:
@@ -130,18 +136,12 @@ def upstream_coco_eval(weights: Path, iou_types: list[str]) -> Any:
     from rfdetr.datasets import get_coco_api_from_dataset
     from rfdetr.evaluation.coco_eval import CocoEvaluator
 
-    from spmd_rfdetr.config.options import RunConfig
     from spmd_rfdetr.data.splits import upstream_split
     from spmd_rfdetr.model.inputs import as_samples
-    from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
-    from spmd_rfdetr.model.weights import inference_config, read_weights
+    from spmd_rfdetr.model.upstream import build_upstream_criterion
+    from support.models import eager_model
 
-    saved = read_weights(weights)
-    cfg = inference_config(RunConfig(), saved)
-    cfgs = upstream_configs(cfg.model, cfg.data, cfg.optim, cfg.model.num_classes)
-    net = build_model(cfgs)
-    net.load_state_dict(saved.state_dict)
-    net.eval()
+    net, cfgs = eager_model(weights)
     postprocess = build_upstream_criterion(cfgs)[1]
     dataset = upstream_split(cfgs, "valid")
     evaluator = CocoEvaluator(get_coco_api_from_dataset(dataset), iou_types,

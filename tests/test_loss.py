@@ -25,10 +25,10 @@ def test_padding_parks_on_distinct_free_queries_on_xla() -> None:
 def test_all_layers_in_one_solve_equal_per_layer_and_scipy() -> None:
     """The criterion's pre-hook solves final + aux + encoder layers in one call: same pairs as one solve per layer,
     and the same total cost as upstream's SciPy matcher (eager CPU, the solver's Python-loop driver)."""
-    from rfdetr.models.matcher import HungarianMatcher
+    from rfdetr.models.matcher import _PADDED_TARGET_COST, HungarianMatcher
     from scipy.optimize import linear_sum_assignment
 
-    from spmd_rfdetr.model.loss import StaticShapeMatcher
+    from spmd_rfdetr.model.loss import StaticShapeMatcher, stack_targets
 
     torch.manual_seed(0)
     batch, group_detr, per_group, slots, classes = 3, 2, 12, 5, 4
@@ -61,6 +61,14 @@ def test_all_layers_in_one_solve_equal_per_layer_and_scipy() -> None:
                 ours = query_index[g * slots : g * slots + k] - g * per_group
                 rows, cols = linear_sum_assignment(cost.numpy())
                 assert torch.isclose(cost[ours, torch.arange(k)].sum(), cost[rows, cols].sum(), atol=1e-5)
+    # the cost itself (built per coordinate, pair_costs.py) is upstream's, element by element
+    for out in layers:
+        ours = matcher.cost(out["pred_logits"], out["pred_boxes"], stack_targets(targets))  # [B, Q, T]
+        for i, k in enumerate(counts):
+            real = [{"labels": targets[i]["labels"][:k], "boxes": targets[i]["boxes"][:k]}]
+            cost = upstream._compute_compact_detection_cost_matrix({key: v[i : i + 1] for key, v in out.items()}, real)
+            assert torch.allclose(ours[i, :, :k], cost, rtol=1e-6, atol=1e-6), (ours[i, :, :k] - cost).abs().max()
+            assert (ours[i, :, k:] == _PADDED_TARGET_COST).all()
 
 
 def test_criterion_matches_all_layers_in_one_solve_with_upstream_losses() -> None:

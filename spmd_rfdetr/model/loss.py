@@ -6,8 +6,9 @@ SciPy. On a mesh whose batch axis is split over chips, every per-image slice and
 becomes a collective (the TPU compiler counted 1,226 collective-permutes from such slices in one Nano step), and the
 program grows with the batch. Here nothing is per image:
 
-- :class:`StaticShapeMatcher`: rfdetr's cost terms (its focal class cost, ``pairwise_box_l1_cost``,
-  ``generalized_box_iou``, its padding cost) for ``[B, Q, T]`` at once, and the exact assignment of
+- :class:`StaticShapeMatcher`: rfdetr's cost terms (its focal class cost, ``pairwise_box_l1_cost`` and
+  ``generalized_box_iou`` per coordinate (:mod:`spmd_rfdetr.model.pair_costs`), its padding cost) for ``[B, Q, T]`` at
+  once, and the exact assignment of
   :mod:`spmd_rfdetr.model.matching` run on each device's own images (:func:`~spmd_rfdetr.xla.mesh.on_each_shard`: no collective
   inside the solver's loop). ``solver="scipy"`` solves on the host instead (a reference, and a fallback).
 - :class:`StaticSetCriterion`: rfdetr's IoU-aware BCE, L1 and GIoU losses (``SetCriterion.loss_labels`` /
@@ -34,7 +35,6 @@ from rfdetr.utilities.box_ops import (
     box_cxcywh_to_xyxy,
     elementwise_box_iou,
     elementwise_generalized_box_iou,
-    generalized_box_iou,
 )
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor
@@ -42,8 +42,9 @@ from torch import Tensor
 from spmd_rfdetr.model.inputs import targets_list
 from spmd_rfdetr.model.keypoints import keypoint_match_costs, matched_keypoint_losses
 from spmd_rfdetr.model.masks import mask_cost, mask_losses
+from spmd_rfdetr.model.pair_costs import l1_and_giou
 from spmd_rfdetr.model.matching import solve_assignment_with_stats
-from spmd_rfdetr.xla.mesh import on_each_shard, put_rows, take_rows
+from spmd_rfdetr.xla.mesh import on_each_shard, take_rows
 
 Solver = Literal["device", "scipy"]
 #: rfdetr's loss terms the batched criterion computes (SetCriterion's ``losses`` of every detection variant).
@@ -110,16 +111,19 @@ class StaticShapeMatcher(HungarianMatcher):
         concatenation) for ``logits [B, Q, C]``, ``boxes [B, Q, 4]`` and padded targets: ``[B, Q, T]``, padding columns
         at rfdetr's padded-target cost. ``extra [B, Q, T]``: more cost terms (the mask costs)."""
         labels, target_boxes, valid = targets["labels"], targets["boxes"], targets["valid"]
-        # rfdetr's focal cost is elementwise: of every class, then each target's class row (a row lookup; an
-        # element-wise gather of [B, Q, T] logits costs a memory tile per element on a TPU)
-        class_cost = take_rows(self._focal_classification_cost(logits).transpose(1, 2), labels).transpose(1, 2)
-        bbox_cost = self._resolve_l1_cost()(boxes, target_boxes)
-        giou_cost = -torch.vmap(generalized_box_iou)(box_cxcywh_to_xyxy(boxes), box_cxcywh_to_xyxy(target_boxes))
-        cost = self.cost_bbox * bbox_cost + self.cost_class * class_cost + self.cost_giou * giou_cost
+        # built [B, T, Q] (pair_costs.py). Each target's class of the logits is picked by a select summed over the
+        # classes (exact; fused into one pass: 0.47 GB at v5e.yaml's shapes, against 1.59 as a row lookup of the
+        # transposed logits, and an element-wise gather costs a memory tile per element); rfdetr's focal cost is
+        # elementwise, so it is taken of the picked logits (as its own compact path does)
+        classes = torch.arange(logits.shape[-1], device=labels.device)
+        picked = torch.where(labels[:, :, None, None] == classes, logits[:, None], 0.0).sum(-1)
+        class_cost = self._focal_classification_cost(picked)
+        bbox_cost, giou = l1_and_giou(boxes, target_boxes)
+        cost = self.cost_bbox * bbox_cost + self.cost_class * class_cost + self.cost_giou * -giou
         if extra is not None:
-            cost = cost + extra
+            cost = cost + extra.transpose(1, 2)
         padded = torch.full((), _PADDED_TARGET_COST, dtype=cost.dtype, device=cost.device)  # not an f64 scalar input
-        return torch.where(valid[:, None, :], cost, padded)
+        return torch.where(valid[:, :, None], cost, padded).transpose(1, 2)
 
     def keypoint_costs(self, pred_keypoints: list[Tensor], targets: dict[str, Tensor]) -> Tensor:
         """rfdetr's weighted keypoint costs of ``L`` layers (its matcher weighs them by the keypoint loss
@@ -327,8 +331,12 @@ def detection_losses(logits: Tensor, boxes: Tensor, query: Tensor, batch: dict[s
     ``logits [B, L, Q, C]``, ``boxes [B, L, Q, 4]``, ``query [B, L, M]`` (M = G*T matches per image, match ``m`` is
     target slot ``m % T``). Returns ``[L]`` tensors: ``loss_ce``, ``loss_bbox``, ``loss_giou``, ``cardinality_error``
     and ``class_error``. The same arithmetic as upstream's per-layer methods with the ``valid`` mask (a padding pair's
-    query keeps its plain negative weight and adds nothing else); matched predictions are taken and put back as whole
-    rows (all classes of a query) of each image: no element-wise gather, and a batch split over devices stays local.
+    query keeps its plain negative weight and adds nothing else); matched predictions are taken as whole rows (all
+    classes of a query) of each image: no element-wise gather, and a batch split over devices stays local. rfdetr
+    writes each match's weights into dense ``[B, L*Q, C]`` weight tensors; here ``loss_ce`` is the sum with every
+    weight negative plus, per real match, its term with its own weights minus the negative one (the same terms,
+    summed in another order), so the backward's only scatter is the picked rows' gradient (libtpu, v5e.yaml's
+    shapes: 4.6 -> see benchmarks/README).
     """
     batch_size, layers, queries, classes = logits.shape
     matches = query.shape[2]
@@ -346,19 +354,22 @@ def detection_losses(logits: Tensor, boxes: Tensor, query: Tensor, batch: dict[s
     prob = scores.sigmoid()
     rows = layer_rows.flatten(1)
     classes_of = torch.arange(classes, device=labels.device)  # (F.one_hot is a scatter on XLA: all-gathered)
-    onehot = (labels[..., None] == classes_of).to(prob.dtype).view(batch_size, layers * matches, classes)
+    onehot = (labels[..., None] == classes_of).view(batch_size, layers * matches, classes)
+    picked = take_rows(scores, rows)  # each match's row (all classes of its query)
+    logit = torch.where(onehot, picked, 0.0).sum(-1).view(labels.shape)  # at its class: an exact pick
     with torch.no_grad():  # rfdetr's IoU-aware targets are constants of the loss
-        prob_at = (take_rows(prob.detach(), rows) * onehot).sum(-1).view(labels.shape)  # (query, class) of each match
         ious, _ = elementwise_box_iou(box_cxcywh_to_xyxy(src_boxes.detach()).reshape(-1, 4), target_xyxy)
-        t = torch.clamp(prob_at.pow(focal_alpha) * ious.reshape(labels.shape).pow(1 - focal_alpha), 0.01)
-
-        def at_matches(values: Tensor) -> Tensor:  # [B, L, M] -> dense [B, L*Q, C], zero where nothing matched
-            return put_rows(onehot * values.reshape(batch_size, layers * matches, 1), rows, layers * queries)
-
-        positive, matched, target = at_matches(t * valid), at_matches(valid), at_matches(t)
-    negative = torch.where(matched > 0, 1 - target, prob**_GAMMA)
-    loss_ce = (negative * scores - F.logsigmoid(scores) * (positive + negative))
-    loss_ce = loss_ce.view(batch_size, layers, -1).sum(dim=(0, 2)) / num_boxes
+        t = torch.clamp(logit.detach().sigmoid().pow(focal_alpha) * ious.reshape(labels.shape).pow(1 - focal_alpha),
+                        0.01)
+    # rfdetr's loss_ce: every (query, class) with the negative weight prob**gamma, then each real match's
+    # (query, class) with its own weights instead (no dense [B, L*Q, C] weight tensors: see the docstring)
+    negative = prob**_GAMMA
+    unmatched = (negative * scores - F.logsigmoid(scores) * negative).view(batch_size, layers, -1).sum(dim=(0, 2))
+    negative_at = logit.sigmoid()**_GAMMA
+    as_unmatched = negative_at * logit - F.logsigmoid(logit) * negative_at
+    as_matched = (1 - t) * logit - F.logsigmoid(logit) * (t + (1 - t))
+    correction = torch.where(valid > 0, as_matched - as_unmatched, 0.0).sum(dim=(0, 2))
+    loss_ce = (unmatched + correction) / num_boxes
 
     loss_bbox = (F.l1_loss(src_boxes, target_boxes, reduction="none") * valid[..., None]).sum(dim=(0, 2, 3)) / num_boxes
     giou = elementwise_generalized_box_iou(src_xyxy, target_xyxy).reshape(labels.shape)
@@ -368,8 +379,7 @@ def detection_losses(logits: Tensor, boxes: Tensor, query: Tensor, batch: dict[s
         real = batch["valid"].sum(dim=1).float()[:, None]  # [B, 1]
         predicted = (prob.view(batch_size, layers, queries, classes).max(-1).values > 0.5).sum(2).float()
         cardinality_error = (predicted - real).abs().mean(dim=0)
-        picked = take_rows(scores, rows)
-        picked = picked.view(batch_size, layers, matches, classes).argmax(-1)
+        picked = picked.detach().view(batch_size, layers, matches, classes).argmax(-1)
         correct = (picked == labels).to(valid.dtype)
         class_error = 100 - 100 * (correct * valid).sum(dim=(0, 2)) / valid.sum(dim=(0, 2)).clamp(min=1)
     return {"loss_ce": loss_ce, "loss_bbox": loss_bbox, "loss_giou": loss_giou,

@@ -10,10 +10,11 @@ the MXU does in a fraction of the time the copies took to move) and uses FlashAt
 The softmax is computed in float32 from the bf16 scores the matmul returns (as eager PyTorch's bf16 attention does)
 and its result rounded to bf16, the precision the MXU reads it in anyway; float32 inputs go to
 ``scaled_dot_product_attention`` unchanged (the CPU parity tests compare with upstream). XLA would fold the softmax's
-upcast into the matmul and write float32 scores; :func:`~spmd_rfdetr.xla.lowering.as_computed` keeps them bf16.
+upcast into the matmul and write float32 scores; :func:`~spmd_rfdetr.xla.lowering.as_computed` keeps them bf16, and
+so the backward's ``dP = dO V^T`` (bf16 as eager's matmul returns it; XLA wrote it as float32 for the ``dS`` pass).
 Measured with libtpu at v5e.yaml's shapes per chip (``[208, 8, 300, 32]``, forward and backward): 7.94 GB (6.84 of
-it HBM traffic) against PyTorch's 11.45 (9.27), 9.26 (7.76) with float32 scores. A softmax computed in bf16 would
-save more but was 4x less accurate, so it was not kept.
+it HBM traffic) against PyTorch's 11.45 (9.27), 9.26 (7.76) with float32 scores; ``dP`` in bf16 then 7.65 -> 6.95 GB.
+A softmax computed in bf16 would save more but was 4x less accurate, so it was not kept.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class _LowPrecisionAttention(torch.autograd.Function):
         q, k, v, out = ctx.saved_tensors
         grad_out = grad_out.to(q.dtype)
         probs = _probabilities(q, k, ctx.mask)
-        grad_probs = torch.matmul(grad_out, v.transpose(-2, -1))
+        grad_probs = as_computed(torch.matmul(grad_out, v.transpose(-2, -1)))  # bf16, as eager's (not float32)
         row = (grad_out.float() * out.float()).sum(dim=-1, keepdim=True)  # = rowsum(dP * P)
         grad_scores = (probs.float() * (grad_probs.float() - row)).to(q.dtype)
         scale = 1.0 / math.sqrt(q.shape[-1])

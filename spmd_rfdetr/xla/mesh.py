@@ -167,8 +167,3 @@ def take_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     gradient's scatter-add would otherwise be all-gathered."""
     return _TakeRows.apply(rows, index)
 
-
-def put_rows(values: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
-    """``values [N, P, C]`` added at rows ``index [N, P]`` of zeros ``[N, count, C]`` on each device's own images (no
-    gradient: the inverse lookup of :func:`take_rows`)."""
-    return on_each_shard(lambda v, i: (_put(v, i, count),), values.contiguous(), index)[0]

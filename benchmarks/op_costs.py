@@ -16,6 +16,12 @@ Nano's per-chip shapes on v5e.yaml: the decoder's self-attention ``[16 x 13, 8, 
 step yet: measured here to decide whether to).
 
     python benchmarks/op_costs.py --op attention --json benchmarks/results/op-costs-attention-v5e-2026-12-04.json
+
+``criterion``: the matcher's cost (forward; the solver not included) and the detection losses (forward + backward,
+from a fixed assignment) at v5e.yaml's per-chip shapes (16 images, 3 layers x 3,900 queries, 91 classes, 100
+targets of which 1-39 real), as the step runs them.
+
+    python benchmarks/op_costs.py --op criterion
 """
 
 from __future__ import annotations
@@ -157,21 +163,60 @@ def attention_cases() -> list[tuple[str, dict, Callable[[], tuple[torch.Tensor, 
     return cases
 
 
+def criterion_cases() -> list[tuple[str, dict, Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]]]:
+    from spmd_rfdetr.model.loss import StaticShapeMatcher, detection_losses
+
+    images, layers, queries, classes, slots, groups = 16, 3, 13 * 300, 91, 100, 13
+
+    def inputs() -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Generator]:
+        g = torch.Generator().manual_seed(0)
+        dev = torch_xla.device()
+        logits = (torch.randn(images, layers, queries, classes, generator=g) * 2 - 4).to(dev).requires_grad_()
+        boxes = (torch.rand(images, layers, queries, 4, generator=g) * 0.5 + 0.1).to(dev).requires_grad_()
+        real = torch.randint(1, 40, (images, 1), generator=g)
+        batch = {"labels": torch.randint(0, classes, (images, slots), generator=g).to(dev),
+                 "boxes": (torch.rand(images, slots, 4, generator=g) * 0.4 + 0.2).to(dev),
+                 "valid": (torch.arange(slots)[None, :] < real).to(dev)}
+        return logits, boxes, batch, g
+
+    def cost() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        logits, boxes, batch, _ = inputs()
+        matcher = StaticShapeMatcher(cost_class=2, cost_bbox=5, cost_giou=2, focal_alpha=0.25)
+        return matcher.cost(logits.detach().flatten(1, 2), boxes.detach().flatten(1, 2), batch), []
+
+    def losses() -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
+        logits, boxes, batch, g = inputs()
+        query = torch.stack([torch.randperm(queries, generator=g)[: groups * slots] for _ in range(images * layers)])
+        terms = detection_losses(logits, boxes, query.view(images, layers, -1).to(logits.device), batch,
+                                 torch.tensor(500.0, device=logits.device), 0.25)
+        total = (terms["loss_ce"] + 5 * terms["loss_bbox"] + 2 * terms["loss_giou"]).sum()
+        return (total, terms["class_error"], terms["cardinality_error"]), [logits, boxes]  # all three logged
+
+    return [("matcher cost", {"op": "criterion", "part": "matcher cost"}, cost),
+            ("detection losses", {"op": "criterion", "part": "detection losses"}, losses)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--topology", default="v5e:1x1", help="compile for one chip of this topology")
-    ap.add_argument("--op", choices=("deform", "attention"), default="deform")
+    ap.add_argument("--op", choices=("deform", "attention", "criterion"), default="deform")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
     from spmd_rfdetr.aot import tpu_compile
 
     devices, _, _ = tpu_compile.build_topology(args.topology)
     rows = []
-    for name, labels, make in (deform_cases() if args.op == "deform" else attention_cases()):
+    cases = {"deform": deform_cases, "attention": attention_cases, "criterion": criterion_cases}[args.op]()
+    for name, labels, make in cases:
         out, inputs = make()
-        forward = compile_cost([out], devices)
-        grads = torch.autograd.grad(out.float().square().sum(), inputs)
-        both = compile_cost([out, *grads], devices)
+        out, *logged = out if isinstance(out, tuple) else (out,)  # the first is differentiated
+        forward = compile_cost([out, *logged], devices)
+        if not inputs:  # no backward (the matcher's cost)
+            rows.append({**labels, "forward": forward})
+            print(f"{name:34s} forward {forward['bytes'] / 1e9:6.2f} GB", flush=True)
+            continue
+        grads = torch.autograd.grad(out.float().square().sum() if out.dim() else out, inputs)
+        both = compile_cost([out, *logged, *grads], devices)
         rows.append({**labels, "forward": forward, "forward_backward": both})
         print(f"{name:34s} forward {forward['bytes'] / 1e9:6.2f} GB   forward+backward {both['bytes'] / 1e9:6.2f} GB"
               f"  {both['flops'] / 1e9:6.1f} GFLOP", flush=True)

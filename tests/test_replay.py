@@ -209,6 +209,24 @@ def test_a_pending_tensor_outside_the_state_refuses_replay(mesh_trainer):
     assert not replayer.programs
 
 
+def test_a_pending_tensor_in_unreachable_garbage_does_not_refuse_replay(mesh_trainer):
+    """A pending tensor left only in a reference cycle (garbage until a collection) is no stray: the scan collects
+    before it refuses."""
+    weight = torch.ones(8, device=torch_xla.device())
+    torch_xla.sync()
+
+    def fn(batch):
+        cycle = {"side": batch["x"].sum() * 2}
+        cycle["self"] = cycle  # unreachable once fn returns, freed only by gc.collect
+        weight.add_(batch["x"].mean(0))
+        return weight.sum()
+
+    replayer = Replayer(fn, lambda: [weight])
+    x = mesh_trainer.to_device({"x": torch.ones(8, 8)})
+    assert replayer(x).cpu().item() == 16.0
+    assert len(replayer.programs) == 1
+
+
 def test_another_batch_signature_traces_its_own_program(mesh_trainer):
     """Shape or sharding changes -> a new trace and program (counted), never the old program on the new batch."""
     weight = torch.zeros(4, device=torch_xla.device())

@@ -343,11 +343,19 @@ def replicate_unannotated(tensors: list[torch.Tensor]) -> None:
 
 
 def _stray_pending(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Python-reachable XLA tensors with pending work that are not among ``outputs`` (one scan, at trace time)."""
+    """Python-reachable XLA tensors with pending work that are not among ``outputs`` (one scan, at trace time; a full
+    ``gc.collect`` only when the scan finds some: garbage in reference cycles may hold them, and a collection costs
+    a big process, e.g. the test session, ~0.4 s a trace)."""
     known = {id(t) for t in outputs}
+    if not _pending_tensors(known):
+        return []
     gc.collect()
-    candidates = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter) and id(o) not in known]
-    candidates = [t for t in candidates if _on_xla(t)]
+    return _pending_tensors(known)
+
+
+def _pending_tensors(known: set[int]) -> list[torch.Tensor]:
+    tensor_types = (torch.Tensor, torch.nn.Parameter)
+    candidates = [o for o in gc.get_objects() if type(o) in tensor_types and id(o) not in known and _on_xla(o)]
     pending = _X._check_tensor_need_materialization(candidates) if candidates else []
     return [t for t, p in zip(candidates, pending) if p]
 

@@ -354,6 +354,7 @@ def _stray_pending(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _pending_tensors(known: set[int]) -> list[torch.Tensor]:
+    """The XLA tensors the garbage collector tracks, other than ``known`` ids, that have pending work."""
     tensor_types = (torch.Tensor, torch.nn.Parameter)
     candidates = [o for o in gc.get_objects() if type(o) in tensor_types and id(o) not in known and _on_xla(o)]
     pending = _X._check_tensor_need_materialization(candidates) if candidates else []

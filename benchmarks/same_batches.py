@@ -2,14 +2,15 @@
 """Upstream rfdetr's own training step fed a ``fit`` run's exact batches: the bisection arm of issue 33.
 
 ``benchmarks/convergence.py --compare upstream`` trains both trainers with their own data order, augmentation draws
-and initial weights. This arm takes all three from a finished ``fit`` run (its ``config.yaml``: the same seed gives
-the same initial weights, and ``make_train_loader`` the same batches, a pure function of the seed and the step) and
-trains them with upstream's own pieces in eager float32 on the CPU, in a process without XLA: rfdetr's model,
-``SetCriterion`` (SciPy matcher) and the weighted loss sum of its ``training_step``, ``torch.optim.AdamW`` over
-rfdetr's ``get_param_dict`` groups (its ``configure_optimizers``), ``clip_grad_norm_`` (Lightning's ``norm``
-clipping), our LR factor as a ``LambdaLR`` (what ``--match-lr`` gives upstream's trainer) and rfdetr's
-``RFDETREMACallback`` average (``AveragedModel`` with its own ``_multi_avg_fn``). The final EMA weights are scored as
-``convergence.py`` scores both others (upstream's eager PostProcess and CocoEvaluator on the valid split).
+and initial weights. This arm takes all three from a ``fit`` run (its ``config.yaml``, so a run stopped once that file
+exists will do: the same seed gives the same initial weights, and ``make_train_loader`` the same batches, a pure
+function of the seed and the step) and trains them with upstream's own pieces in eager float32 on the CPU, in a
+process without XLA: rfdetr's model, ``SetCriterion`` (SciPy matcher) and the weighted loss sum of its
+``training_step``, ``torch.optim.AdamW`` over rfdetr's ``get_param_dict`` groups (its ``configure_optimizers``),
+``clip_grad_norm_`` (Lightning's ``norm`` clipping), our LR factor as a ``LambdaLR`` (what ``--match-lr`` gives
+upstream's trainer) and rfdetr's ``RFDETREMACallback`` average (``AveragedModel`` with its own ``_multi_avg_fn``). The
+final EMA weights are scored as ``convergence.py`` scores both others (upstream's eager PostProcess and CocoEvaluator
+on the valid split).
 
 If this arm lands on ours, the gap to upstream's own trainer is data order, augmentation draws or initial weights;
 if it lands on upstream's trainer, it is our step. Step 1's loss must equal the run's own step 1 (same weights, same
@@ -174,6 +175,25 @@ def collect(arms: Path, into: Path) -> None:
     print(f"{len(runs)} arms into {into}: {payload['summary']['same_batches']}")
 
 
+def score(run: Path, out: Path, weights: Path) -> tuple[dict[str, float], dict[int, float]]:
+    """Upstream's eager evaluation of ``weights`` with ``run``'s config (a finished run, or one stopped once its
+    ``config.yaml`` existed: then without its losses), and the run's logged losses by step."""
+    import torch
+    import yaml
+    from convergence import upstream_eager_stats
+
+    from spmd_rfdetr.eval.coco import stat_names
+
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    checkpoint = out / "config.pth"  # what the scorer reads of a checkpoint: its config
+    torch.save({"config": config}, checkpoint)
+    metrics = run / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    max_dets = config["eval"].get("max_dets", 100)
+    return dict(zip(stat_names(max_dets), upstream_eager_stats(checkpoint, "valid", weights))), losses
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", type=Path, help="a finished fit run dir (config.yaml, metrics.jsonl)")
@@ -192,21 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.collect:
         collect(args.collect, args.into)
         return 0
-    from convergence import upstream_eager_stats
-
-    from spmd_rfdetr.eval.coco import stat_names
-
     result = train_on_run_batches(args.run, args.out, args.perturb, args.criterion, args.states_at, args.steps,
                                   args.xla, args.flush_denormal)
     if args.steps is not None:
         (args.out / "result.json").write_text(json.dumps({**result, "run": str(args.run)}, indent=1))
         return 0
-    records = [json.loads(line) for line in (args.run / "metrics.jsonl").read_text().splitlines()]
-    ours = {r["step"]: r["loss"] for r in records if "loss" in r}
+    stats, ours = score(args.run, args.out, Path(result["weights"]))
     print(f"step 1 loss: this arm {result['losses'][0]:.6f}, the run's {ours.get(1)}")
-    max_dets = json.loads(sorted((args.run / "eval").glob("*_coco_eval.json"))[-1].read_text())["max_dets"]
-    stats = dict(zip(stat_names(max_dets), upstream_eager_stats(args.run / "last.pth", "valid",
-                                                                Path(result["weights"]))))
     print(f"upstream's step on the run's batches: mAP {stats['mAP']:.4f} mAP50 {stats['mAP50']:.4f} "
           f"mAP75 {stats['mAP75']:.4f}")
     (args.out / "result.json").write_text(json.dumps({**result, "final": stats, "run": str(args.run),

@@ -72,3 +72,31 @@ def test_multihead_attention_with_an_additive_mask_runs_batch_first_on_xla_as_ea
     assert len(calls) == 1 and calls[0] is not None  # the batch-first path, given the mask
     torch.testing.assert_close(out.cpu(), eager.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(on.in_proj_weight.grad.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_backbone_attention_runs_ours_on_xla_with_the_eager_modules_output_and_gradients(monkeypatch) -> None:
+    """DINOv2's self-attention (rfdetr's SDPA class) on XLA takes :func:`~spmd_rfdetr.model.attention.attention`
+    (:func:`spmd_rfdetr.model.xla_safe.install`); its heads, projections and layout are upstream's."""
+    from rfdetr.models.backbone import dinov2_with_windowed_attn as dinov2
+
+    from spmd_rfdetr.model import xla_safe
+
+    xla_safe.install()
+    calls = []
+    monkeypatch.setattr(xla_safe, "attention", lambda *a: calls.append(a[0].shape) or attention(*a))
+    torch.manual_seed(0)
+    config = dinov2.WindowedDinov2WithRegistersConfig(hidden_size=24, num_attention_heads=4)
+    layer = dinov2.Dinov2WithRegistersSdpaSelfAttention(config)
+    x = torch.randn(3, 10, 24)
+    eager = layer(x)[0]
+    (eager * eager).sum().backward()
+    expected = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    device = torch_xla.device()
+    on = layer.to(device)
+    out = on(x.to(device))[0]
+    (out * out).sum().backward()
+    assert calls == [torch.Size([3, 4, 10, 6])]  # [batch, heads, tokens, head dim]
+    torch.testing.assert_close(out.cpu(), eager.detach(), atol=1e-5, rtol=1e-5)
+    for got, want in zip(on.parameters(), expected):
+        torch.testing.assert_close(got.grad.cpu(), want, atol=1e-4, rtol=1e-4)

@@ -22,6 +22,10 @@
   tensor cannot keep (an all-gather before every projection). Without masks or returned weights the same
   projections and attention run on the batch-first layout (:func:`_batch_first_attention`; in bf16 without a kept
   score matrix, :mod:`spmd_rfdetr.model.attention`).
+- ``Dinov2WithRegistersSdpaSelfAttention.forward`` (the backbone's attention): in bf16 PyTorch's attention keeps its
+  float32 softmax for the backward beside a bf16 copy, which the TPU compiler also transposes; the same projections
+  with :mod:`spmd_rfdetr.model.attention` instead (v5e, one layer forward + backward at v5e.yaml's 16 images:
+  windowed ``[64, 6, 145, 64]`` 1.04 -> 0.69 GB, global ``[16, 6, 580, 64]`` 1.92 -> 1.28, ``benchmarks/op_costs.py``).
 - ``ms_deform_attn_core_pytorch`` (deformable attention's core, XLA, maps of up to 2,048 positions: every RF-DETR
   detector): one matrix product per image and head whose weight matrix the TPU compiler builds inside the product
   (:mod:`spmd_rfdetr.model.deform_attention`; v5e.yaml's shapes: 2.7x fewer bytes than the row lookups below).
@@ -92,6 +96,7 @@ def install() -> None:
     _install_batch_major_groups()
     _install_batch_major_windows(embeddings)
     _install_batch_first_attention()
+    _install_backbone_attention()
     _install_row_lookups()
     _install_number_operands()
     _install_mask_head_resize()
@@ -238,6 +243,26 @@ def _install_batch_first_attention() -> None:
 
     forward._spmd_rfdetr = True  # type: ignore[attr-defined]
     attention.forward = forward
+
+
+def _install_backbone_attention() -> None:
+    from rfdetr.models.backbone import dinov2_with_windowed_attn as dinov2
+
+    block = dinov2.Dinov2WithRegistersSdpaSelfAttention
+    original = block.forward
+    if getattr(original, "_spmd_rfdetr", False):
+        return
+
+    @functools.wraps(original)
+    def forward(self: Any, hidden_states: torch.Tensor, output_attentions: bool = False) -> tuple[torch.Tensor, None]:
+        if (hidden_states.device.type != "xla" or output_attentions
+                or (self.training and self.attention_probs_dropout_prob > 0)):
+            return original(self, hidden_states, output_attentions)
+        q, k, v = (self.transpose_for_scores(p(hidden_states)) for p in (self.query, self.key, self.value))
+        return attention(q, k, v).transpose(1, 2).flatten(2), None  # [B, L, heads * d], as upstream's
+
+    forward._spmd_rfdetr = True  # type: ignore[attr-defined]
+    block.forward = forward
 
 
 def _batch_first_attention(self: torch.nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,

@@ -22,6 +22,13 @@ from a fixed assignment) at v5e.yaml's per-chip shapes (16 images, 3 layers x 3,
 targets of which 1-39 real), as the step runs them.
 
     python benchmarks/op_costs.py --op criterion
+
+``backbone``: one of Nano's DINOv2 layers (rfdetr's ``WindowedDinov2WithRegistersLayer``: norms, attention with its
+projections, MLP, layer scales) under bf16 autocast at v5e.yaml's per-chip shapes, windowed (``[16 x 4, 145, 384]``)
+and global, its attention as rfdetr's SDPA class runs it and as :func:`spmd_rfdetr.model.xla_safe.install` runs it
+(:mod:`spmd_rfdetr.model.attention`): the attention in the layout and fusions around it that the step has.
+
+    python benchmarks/op_costs.py --op backbone
 """
 
 from __future__ import annotations
@@ -196,17 +203,46 @@ def criterion_cases() -> list[tuple[str, dict, Callable[[], tuple[torch.Tensor, 
             ("detection losses", {"op": "criterion", "part": "detection losses"}, losses)]
 
 
+def backbone_cases() -> list[tuple[str, dict, Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]]]:
+    from rfdetr.models.backbone import dinov2_with_windowed_attn as dinov2
+
+    from spmd_rfdetr.model import xla_safe
+
+    block = dinov2.Dinov2WithRegistersSdpaSelfAttention
+    upstream = getattr(block.forward, "__wrapped__", block.forward)
+    xla_safe.install()
+    ours = block.forward
+    config = dinov2.WindowedDinov2WithRegistersConfig(hidden_size=384, num_attention_heads=6, num_windows=2)
+    config._attn_implementation = "sdpa"
+    cases = []
+    for scope in ("windowed", "global"):
+        for variant, forward in (("rfdetr's SDPA", upstream), ("ours", ours)):
+            def make(forward=forward, scope=scope):
+                block.forward = forward
+                torch.manual_seed(0)
+                layer = dinov2.WindowedDinov2WithRegistersLayer(config).to(torch_xla.device())
+                x = torch.randn(16 * 4, 145, 384).to(torch_xla.device()).requires_grad_()
+                with torch.autocast("xla", dtype=torch.bfloat16):
+                    out = layer(x, run_full_attention=scope == "global")[0]
+                block.forward = ours
+                return out, [x, *layer.parameters()]
+            cases.append((f"DINOv2 layer, {scope}, {variant}", {"op": "backbone", "scope": scope, "variant": variant},
+                          make))
+    return cases
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--topology", default="v5e:1x1", help="compile for one chip of this topology")
-    ap.add_argument("--op", choices=("deform", "attention", "criterion"), default="deform")
+    ap.add_argument("--op", choices=("deform", "attention", "criterion", "backbone"), default="deform")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
     from spmd_rfdetr.aot import tpu_compile
 
     devices, _, _ = tpu_compile.build_topology(args.topology)
     rows = []
-    cases = {"deform": deform_cases, "attention": attention_cases, "criterion": criterion_cases}[args.op]()
+    cases = {"deform": deform_cases, "attention": attention_cases, "criterion": criterion_cases,
+             "backbone": backbone_cases}[args.op]()
     for name, labels, make in cases:
         out, inputs = make()
         out, *logged = out if isinstance(out, tuple) else (out,)  # the first is differentiated

@@ -24,8 +24,8 @@
   score matrix, :mod:`spmd_rfdetr.model.attention`).
 - ``Dinov2WithRegistersSdpaSelfAttention.forward`` (the backbone's attention): in bf16 PyTorch's attention keeps its
   float32 softmax for the backward beside a bf16 copy, which the TPU compiler also transposes; the same projections
-  with :mod:`spmd_rfdetr.model.attention` instead (v5e, one layer forward + backward at v5e.yaml's 16 images:
-  windowed ``[64, 6, 145, 64]`` 1.04 -> 0.69 GB, global ``[16, 6, 580, 64]`` 1.92 -> 1.28, ``benchmarks/op_costs.py``).
+  with :mod:`spmd_rfdetr.model.attention` instead (v5e.yaml's step on v5e:2x4: 119.2 -> 117.5 GB per chip, its
+  eval 9.6 -> 9.0; ``benchmarks/README.md``).
 - ``ms_deform_attn_core_pytorch`` (deformable attention's core, XLA, maps of up to 2,048 positions: every RF-DETR
   detector): one matrix product per image and head whose weight matrix the TPU compiler builds inside the product
   (:mod:`spmd_rfdetr.model.deform_attention`; v5e.yaml's shapes: 2.7x fewer bytes than the row lookups below).

@@ -51,6 +51,17 @@ def upstream_eager_stats(checkpoint: Path, split: str, weights: Path | None = No
     """rfdetr's own eager evaluation of a ``fit`` checkpoint (run in a process without torch_xla); ``weights``: score
     that rfdetr weight file (upstream's ``last_ema.pth``) instead, with the checkpoint's config."""
     import torch
+
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    if weights is not None:
+        state["model"] = torch.load(weights, map_location="cpu", weights_only=False)["model"]
+    return eager_stats(state["config"], state["model"], split)
+
+
+def eager_stats(c: dict[str, Any], model_state: dict[str, Any], split: str) -> list[float]:
+    """COCO stats of ``model_state`` by rfdetr's eager model, PostProcess and CocoEvaluator, built from a ``fit``
+    config ``c`` (a checkpoint's, or a run's ``config.yaml``) on its dataset's ``split``."""
+    import torch
     from rfdetr.datasets import get_coco_api_from_dataset
     from rfdetr.evaluation.coco_eval import CocoEvaluator
 
@@ -59,15 +70,12 @@ def upstream_eager_stats(checkpoint: Path, split: str, weights: Path | None = No
     from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
     from spmd_rfdetr.model.inputs import as_samples
 
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
-    c = state["config"]
     model = ModelOptions(**{**c["model"], "pretrain_weights": None})  # the weights are the checkpoint's
     cfgs = upstream_configs(model, DataOptions(**c["data"]), OptimOptions(**c["optim"]), c["model"]["num_classes"],
                             c["eval"].get("num_select"))  # the detections per image the fit's evaluation kept
     dataset = upstream_split(cfgs, split)  # rfdetr's own dataset and float pipeline
     net = build_model(cfgs)
-    net.load_state_dict(state["model"] if weights is None else
-                        torch.load(weights, map_location="cpu", weights_only=False)["model"])
+    net.load_state_dict(model_state)
     net.eval()
     postprocess = build_upstream_criterion(cfgs)[1]
     max_dets = c["eval"].get("max_dets", 100)  # the fit's own eval setting (before it existed: pycocotools' 100)

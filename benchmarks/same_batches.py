@@ -175,23 +175,22 @@ def collect(arms: Path, into: Path) -> None:
     print(f"{len(runs)} arms into {into}: {payload['summary']['same_batches']}")
 
 
-def score(run: Path, out: Path, weights: Path) -> tuple[dict[str, float], dict[int, float]]:
+def score(run: Path, weights: Path) -> tuple[dict[str, float], dict[int, float]]:
     """Upstream's eager evaluation of ``weights`` with ``run``'s config (a finished run, or one stopped once its
     ``config.yaml`` existed: then without its losses), and the run's logged losses by step."""
     import torch
     import yaml
-    from convergence import upstream_eager_stats
+    from convergence import eager_stats
 
     from spmd_rfdetr.eval.coco import stat_names
 
     config = yaml.safe_load((run / "config.yaml").read_text())
-    checkpoint = out / "config.pth"  # what the scorer reads of a checkpoint: its config
-    torch.save({"config": config}, checkpoint)
     metrics = run / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     max_dets = config["eval"].get("max_dets", 100)
-    return dict(zip(stat_names(max_dets), upstream_eager_stats(checkpoint, "valid", weights))), losses
+    model_state = torch.load(weights, map_location="cpu", weights_only=False)["model"]
+    return dict(zip(stat_names(max_dets), eager_stats(config, model_state, "valid"))), losses
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps is not None:
         (args.out / "result.json").write_text(json.dumps({**result, "run": str(args.run)}, indent=1))
         return 0
-    stats, ours = score(args.run, args.out, Path(result["weights"]))
+    stats, ours = score(args.run, Path(result["weights"]))
     print(f"step 1 loss: this arm {result['losses'][0]:.6f}, the run's {ours.get(1)}")
     print(f"upstream's step on the run's batches: mAP {stats['mAP']:.4f} mAP50 {stats['mAP50']:.4f} "
           f"mAP75 {stats['mAP75']:.4f}")

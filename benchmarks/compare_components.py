@@ -3,7 +3,8 @@
     python benchmarks/compare_components.py BEFORE.json AFTER.json --png OUT.png [--program train_step] [--hbm]
 
 ``--hbm``: the HBM part of each component's bytes and ``hbm_bytes_accessed`` (the cost analysis counts on-chip
-memory too: ``spmd_rfdetr/aot/components.py``) instead of all of them.
+memory too: ``spmd_rfdetr/aot/components.py``) instead of all of them. Reports of ``aot --hbm_only`` (compiled with
+no on-chip memory) are all HBM already, and say so in the labels.
 
 Each report must carry ``bytes_by_component`` (``aot`` writes it; ``benchmarks/components.py`` adds it to an older
 report from its kept compile).
@@ -45,7 +46,9 @@ def main() -> None:
     for name, a, b in rows:
         print(f"| {name} | {a / 1e9:.2f} | {b / 1e9:.2f} | {b / a if a else float('nan'):.2f} |")
     a, b = old_entry[total], new_entry[total]
-    what = "HBM part of the compiler's bytes accessed" if args.hbm else "compiler's bytes accessed"
+    hbm_only = all("hbm_only" in json.loads(r.read_text()) for r in (args.before, args.after))
+    what = ("HBM part of the compiler's bytes accessed" if args.hbm else
+            "compiler's bytes accessed, no on-chip memory (all HBM)" if hbm_only else "compiler's bytes accessed")
     print(f"| **{what}** | **{a / 1e9:.1f}** ({a / images:.3g} / image) | **{b / 1e9:.1f}** "
           f"({b / images:.3g} / image) | {b / a:.2f} |")
     if args.png:
@@ -61,6 +64,8 @@ def main() -> None:
         ax.set_yticks(list(ys), [r[0] for r in rows], fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel("HBM part of the bytes accessed per step per chip, GB" if args.hbm else
+                      "HBM bytes accessed per step per chip, GB (libtpu, compiled with no on-chip memory)"
+                      if hbm_only else
                       "bytes accessed per step per chip, GB (libtpu's cost analysis: HBM and on-chip memory)")
         ax.set_title(f"{new_entry['name']} on {new_entry['topology']}, {images} images per chip")
         ax.legend()

@@ -140,6 +140,7 @@ def aot(
     max_batch: bool = False,
     headroom: float = 0.1,
     keep: str | None = None,
+    hbm_only: bool = False,
     model: ModelOptions = ModelOptions(),
     data: DataOptions = DataOptions(),
     optim: OptimOptions = OptimOptions(),
@@ -160,6 +161,9 @@ def aot(
             per probe), and the largest that leaves ``headroom`` of HBM free.
         headroom: Fraction of HBM a recipe should leave free (``--max-batch``).
         keep: Keep the HLO modules and the compiler's results in this directory (default: a temporary one).
+        hbm_only: Compile with no buffer in the chip's on-chip memory (libtpu's VMEM assignment off), so that
+            "bytes accessed" counts HBM traffic only: an upper bound on what the normal program moves through HBM
+            (whose count also includes its on-chip accesses). A measurement; ``fit`` runs the normal program.
         model: Which RF-DETR to build (``num_classes``: else the dataset's, else rfdetr's default).
         data: Batch shapes (``per_device_batch_size`` or ``global_batch_size``, ``max_targets``, multi-scale).
         optim: As ``fit`` (``accumulate`` changes the program).
@@ -174,7 +178,10 @@ def aot(
     cfg = RunConfig(
         model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing
     )
-    report = aot_check(cfg, topology, json, max_batch, headroom, keep)
+    report = aot_check(cfg, topology, json, max_batch, headroom, keep, hbm_only)
+    if hbm_only:
+        print(f"aot: compiled with no buffer in on-chip memory ({report['hbm_only']}): every byte accessed above is "
+              "HBM traffic, an upper bound on the normal program's", flush=True)
     if max_batch:
         found = report["max_batch"]
         print(f"aot: largest data.per_device_batch_size that compiles on {report['topology']}: {found['largest']}; "

@@ -190,7 +190,8 @@ def test_hbm_bytes_leave_out_what_the_compiler_keeps_on_chip(tmp_path: Path) -> 
     """Two matrix products per chip, ``tanh(relu(x @ w1) @ w2) + relu(x @ w1)``, bf16 ``[1024, 1024]`` each: HBM
     reads x, w1 and w2 and writes the result, 8 MiB. libtpu keeps the product between them and prefetched weights in
     VMEM, and its cost analysis counts those accesses too (more than twice the HBM traffic);
-    ``bytes_by_component``'s HBM part is the 8 MiB exactly."""
+    ``bytes_by_component``'s HBM part is the 8 MiB exactly. With on-chip memory off (``aot --hbm_only``) the
+    count is all HBM traffic."""
     import torch_xla
     import torch_xla.distributed.spmd as xs
 
@@ -213,8 +214,18 @@ def test_hbm_bytes_leave_out_what_the_compiler_keeps_on_chip(tmp_path: Path) -> 
     assert table["total_hbm_bytes"] == hbm, table
     assert result["bytes_accessed"] > 2 * hbm and abs(table["total_bytes"] / result["bytes_accessed"] - 1) < 0.15
     assert abs(result["hbm_bytes_accessed"] / hbm - 1) < 0.15  # the compiler's count times the HBM share
+    # compiled again with no buffer on chip (aot --hbm_only): every access is to HBM, the intermediate product
+    # included, and the compiler's count is that traffic: below the count above, at least the HBM part
+    (hbm_only,) = compile_traced("v5e:2x2", tmp_path, hbm_only=True)
+    table = hbm_only["bytes_by_component"]
+    assert table["total_hbm_bytes"] == table["total_bytes"] > hbm, table
+    assert hbm < hbm_only["bytes_accessed"] < result["bytes_accessed"], (hbm_only["bytes_accessed"], result)
+    assert abs(table["total_bytes"] / hbm_only["bytes_accessed"] - 1) < 0.15
 
 
 def test_an_unknown_topology_or_no_compiler_is_one_message_and_exit_2() -> None:
     done = run_cli("aot", "--config", str(CONFIG), "--topology", "v5e:3x3")
     assert done.returncode == 2 and "v5e:2x4" in done.stderr and "Traceback" not in done.stderr, done.stderr[-1000:]
+    done = run_cli("aot", "--config", str(CONFIG), "--topology", "v4:2x2x1", "--hbm_only", "true")
+    assert done.returncode == 2 and "--hbm_only" in done.stderr and "v5e" in done.stderr, done.stderr[-1000:]
+    assert "Traceback" not in done.stderr

@@ -7,7 +7,8 @@ step from the chip's published peak and bandwidth (:mod:`.chips`), the collectiv
 and compile time, then the bytes by model component (:mod:`.components`); ``--json`` adds memory by kind, the largest
 byte movers and the source lines (rfdetr's or ours) of every collective. ``--max-batch`` searches
 ``data.per_device_batch_size`` for the largest that compiles and the largest that leaves ``--headroom`` (10%) of HBM
-free.
+free. ``--hbm_only true`` compiles with no buffer in on-chip memory (:attr:`.chips.Chip.hbm_only_flag`), so that the
+bytes accessed are HBM traffic only: the compiler's upper bound on the real program's.
 
 Topologies: ``v5e:1x1`` (Colab/Kaggle v5e-1), ``v5e:2x2``, ``v5e:2x4`` (v5litepod-8), ``v6e:2x4``, ``v4:2x2x1``,
 ``v5p:2x2x1``, ``v3:2x2`` (Kaggle's v3-8), or a Cloud name such as ``v5litepod-8``. The ``aot`` extra pins the libtpu

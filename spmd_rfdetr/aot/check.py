@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from spmd_rfdetr.aot.chips import TopologyError, parse_topology, valid_names
+from spmd_rfdetr.aot.chips import CHIPS, TopologyError, hbm_only_env, parse_topology, valid_names
 from spmd_rfdetr.aot.trace import config_to_yaml
 from spmd_rfdetr.config.options import ConfigError, RunConfig
 from spmd_rfdetr.config.resolve import TRACED_FOR_ENV, resolve_and_check
@@ -46,14 +46,18 @@ def device_count(topology: str) -> int:
 
 
 def aot_check(cfg: RunConfig, topology: str, json_path: str | None = None, max_batch: bool = False,
-              headroom: float = 0.1, keep: str | None = None) -> dict[str, Any]:
-    """Trace and compile ``cfg``'s programs for ``topology``; returns (and writes to ``json_path``) the report."""
+              headroom: float = 0.1, keep: str | None = None, hbm_only: bool = False) -> dict[str, Any]:
+    """Trace and compile ``cfg``'s programs for ``topology``; returns (and writes to ``json_path``) the report.
+    ``hbm_only``: compiled with no buffer in on-chip memory (``chips.hbm_only_env``), a measurement of HBM traffic."""
     try:
         chip, canonical, _ = parse_topology(topology)
     except TopologyError as error:
         raise ConfigError(str(error)) from None
     if canonical.split(":")[1] not in chip.topologies:
         raise ConfigError(f"unknown TPU topology {topology!r}; valid names: {valid_names()}")
+    if hbm_only and chip.hbm_only_flag is None:
+        raise ConfigError(f"--hbm_only: libtpu has no switch for {chip.name}'s on-chip memory; it works for "
+                          + ", ".join(c.name for c in CHIPS.values() if c.hbm_only_flag is not None))
     devices = device_count(canonical)
     if importlib.util.find_spec("jax") is None or importlib.util.find_spec("libtpu") is None:
         raise ConfigError(f"the aot check needs the TPU compiler (jax + libtpu): {INSTALL}")
@@ -70,7 +74,10 @@ def aot_check(cfg: RunConfig, topology: str, json_path: str | None = None, max_b
             os.environ[TRACED_FOR_ENV] = previous
     work = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="spmd_rfdetr_aot_"))
     work.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"topology": canonical, "devices": devices, "programs": _run(cfg, canonical, work)}
+    report: dict[str, Any] = {"topology": canonical, "devices": devices,
+                              "programs": _run(cfg, canonical, work, hbm_only=hbm_only)}
+    if hbm_only:
+        report["hbm_only"] = chip.hbm_only_flag or f"no flag: {chip.name}'s compiler keeps nothing on chip by default"
     if max_batch:
         report["max_batch"] = search_max_batch(cfg, canonical, work, headroom)
     if json_path:
@@ -84,10 +91,11 @@ def aot_check(cfg: RunConfig, topology: str, json_path: str | None = None, max_b
     return report
 
 
-def _run(cfg: RunConfig, topology: str, work: Path, train_only: bool = False) -> list[dict[str, Any]]:
+def _run(cfg: RunConfig, topology: str, work: Path, train_only: bool = False, hbm_only: bool = False,
+         ) -> list[dict[str, Any]]:
     """One trace child and one compile child; the compile child's results."""
     trace(cfg, work, train_only)
-    return compile_traced(topology, work)
+    return compile_traced(topology, work, hbm_only)
 
 
 def trace(cfg: RunConfig, work: Path, train_only: bool = False) -> list[dict[str, Any]]:
@@ -107,13 +115,15 @@ class AotFailed(RuntimeError):
     """A trace or compile child crashed (not the compiler's verdict on the config)."""
 
 
-def compile_traced(topology: str, work: Path) -> list[dict[str, Any]]:
-    """The compile child (libtpu) on ``work/programs.json``: its results, one per program."""
+def compile_traced(topology: str, work: Path, hbm_only: bool = False) -> list[dict[str, Any]]:
+    """The compile child (libtpu) on ``work/programs.json``: its results, one per program (``hbm_only``: compiled
+    with no buffer in on-chip memory)."""
     results = work / "results.json"
     results.unlink(missing_ok=True)
     command = [sys.executable, "-m", "spmd_rfdetr.aot.tpu_compile", str(work), "--topology", topology,
                "--json", str(results), "--hlo-out", str(work / "compiled")]  # --keep leaves what libtpu compiled
-    _child(command, os.environ.copy(), "compiling for the TPU", ok=(0, 1, 2))
+    env = {**os.environ, **(hbm_only_env(topology) if hbm_only else {})}
+    _child(command, env, "compiling for the TPU", ok=(0, 1, 2))
     return json.loads(results.read_text())["results"]
 
 

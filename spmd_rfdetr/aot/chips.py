@@ -10,10 +10,16 @@ capacity less what the runtime reserves. That, not the published figure, is what
 A device is a chip everywhere except v3, whose two TensorCores are separate devices with 16 GiB of HBM each (libtpu has
 no megacore config for v3). v4 is built in megacore mode (one device per chip, as a v4 TPU VM runs); libtpu's default
 for v4 is one device per core.
+
+``hbm_only_flag`` is the libtpu flag that turns off the compiler's assignment of buffers to on-chip memory (VMEM):
+compiled with it, every access is to HBM and the cost analysis's ``bytes accessed`` is all HBM traffic (an upper
+bound on what the shipped program, which keeps some buffers on chip, moves through HBM). v3's compiler assigns none
+by default (``""``: its count is already all HBM); libtpu 0.0.21 has no such flag for v4 (``None``).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -34,6 +40,7 @@ class Chip:
     topologies: tuple[str, ...]  # the usual slice shapes (listed in error messages)
     devices_per_chip: int = 1
     chip_config_name: str | None = None
+    hbm_only_flag: str | None = None  # libtpu flag: no buffer in on-chip memory ("": none needed; module docstring)
 
     @property
     def device_flops(self) -> float:
@@ -54,13 +61,16 @@ _3D = ("1x1x1", "2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8")
 CHIPS: dict[str, Chip] = {
     c.name: c
     for c in (
-        Chip("v5e", "TPU v5 lite", 197e12, 16 * GiB, 819e9, int(15.75 * GiB), 2, _2D),
-        Chip("v6e", "TPU v6 lite", 918e12, 32 * GiB, 1640e9, 33822867456, 2, _2D),
+        Chip("v5e", "TPU v5 lite", 197e12, 16 * GiB, 819e9, int(15.75 * GiB), 2, _2D,
+             hbm_only_flag="--xla_vf_vmem_memory_space_assignment=false"),
+        Chip("v6e", "TPU v6 lite", 918e12, 32 * GiB, 1640e9, 33822867456, 2, _2D,
+             hbm_only_flag="--xla_gf_vmem_memory_space_assignment=false"),
         Chip("v4", "TPU v4", 275e12, 32 * GiB, 1228e9, int(30.75 * GiB), 3, _3D, chip_config_name="megacore"),
-        Chip("v5p", "TPU v5", 459e12, 95 * GiB, 2765e9, int(95.74 * GiB), 3, _3D),
+        Chip("v5p", "TPU v5", 459e12, 95 * GiB, 2765e9, int(95.74 * GiB), 3, _3D,
+             hbm_only_flag="--xla_vf_vmem_memory_space_assignment=false"),
         # v3-8 (Kaggle, Colab) is "v3:2x2": 4 chips, 8 devices
         Chip("v3", "TPU v3", 123e12, 32 * GiB, 900e9, int(15.48 * GiB), 2, ("1x1", "2x2", "4x4", "4x8", "8x8"),
-             devices_per_chip=2),
+             devices_per_chip=2, hbm_only_flag=""),
     )
 }
 
@@ -108,6 +118,13 @@ def topology_kwargs(name: str) -> dict:
     if min(dims[:2]) < 2:  # libtpu's default host is 2x2x1 chips: a smaller slice must say it is one smaller host
         kw["chips_per_host_bounds"] = (min(dims[0], 2), min(dims[1], 2), 1)
     return kw
+
+
+def hbm_only_env(topology: str) -> dict[str, str]:
+    """Environment for a compile child whose program keeps nothing in on-chip memory (``hbm_only_flag``; empty for v3,
+    which needs none). Callers check first that the chip has one (not v4)."""
+    flag = parse_topology(topology)[0].hbm_only_flag
+    return {"LIBTPU_INIT_ARGS": f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {flag}".strip()} if flag else {}
 
 
 def chip_for_device_kind(device_kind: str) -> Chip | None:

@@ -17,10 +17,12 @@ import json
 from pathlib import Path
 
 
-def components(report: Path, program: str, key: str = "bytes") -> tuple[dict, dict[str, float]]:
-    """(the program's entry, its bytes per step by component; ``key`` ``hbm_bytes``: their HBM part)."""
-    entry = next(p for p in json.loads(report.read_text())["programs"] if p["name"].startswith(program))
-    return entry, {c["component"]: c[key] for c in entry["bytes_by_component"]["components"]}
+def components(report: Path, program: str, key: str = "bytes") -> tuple[dict, dict[str, float], bool]:
+    """(the program's entry, its bytes per step by component; ``key`` ``hbm_bytes``: their HBM part; whether the
+    report was compiled with no on-chip memory, ``aot --hbm_only``)."""
+    loaded = json.loads(report.read_text())
+    entry = next(p for p in loaded["programs"] if p["name"].startswith(program))
+    return entry, {c["component"]: c[key] for c in entry["bytes_by_component"]["components"]}, "hbm_only" in loaded
 
 
 def main() -> None:
@@ -33,8 +35,9 @@ def main() -> None:
     parser.add_argument("--hbm", action="store_true", help="the HBM part of the bytes (reports with hbm_bytes)")
     args = parser.parse_args()
     key, total = ("hbm_bytes", "hbm_bytes_accessed") if args.hbm else ("bytes", "bytes_accessed")
-    (old_entry, old), (new_entry, new) = (components(args.before, args.program, key),
-                                          components(args.after, args.program, key))
+    (old_entry, old, old_hbm_only), (new_entry, new, new_hbm_only) = (components(args.before, args.program, key),
+                                                                      components(args.after, args.program, key))
+    hbm_only = old_hbm_only and new_hbm_only
     images = new_entry["images_per_device"]
     names = sorted(set(old) | set(new), key=lambda n: -max(old.get(n, 0.0), new.get(n, 0.0)))
     shown = [n for n in names if max(old.get(n, 0.0), new.get(n, 0.0)) >= args.min_gb * 1e9]
@@ -46,7 +49,6 @@ def main() -> None:
     for name, a, b in rows:
         print(f"| {name} | {a / 1e9:.2f} | {b / 1e9:.2f} | {b / a if a else float('nan'):.2f} |")
     a, b = old_entry[total], new_entry[total]
-    hbm_only = all("hbm_only" in json.loads(r.read_text()) for r in (args.before, args.after))
     what = ("HBM part of the compiler's bytes accessed" if args.hbm else
             "compiler's bytes accessed, no on-chip memory (all HBM)" if hbm_only else "compiler's bytes accessed")
     print(f"| **{what}** | **{a / 1e9:.1f}** ({a / images:.3g} / image) | **{b / 1e9:.1f}** "

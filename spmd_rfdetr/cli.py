@@ -163,7 +163,8 @@ def aot(
         keep: Keep the HLO modules and the compiler's results in this directory (default: a temporary one).
         hbm_only: Compile with no buffer in the chip's on-chip memory (libtpu's VMEM assignment off), so that
             "bytes accessed" counts HBM traffic only: an upper bound on what the normal program moves through HBM
-            (whose count also includes its on-chip accesses). A measurement; ``fit`` runs the normal program.
+            (whose count also includes its on-chip accesses). A measurement; ``fit`` runs the normal program, and
+            ``--max_batch`` still searches with it.
         model: Which RF-DETR to build (``num_classes``: else the dataset's, else rfdetr's default).
         data: Batch shapes (``per_device_batch_size`` or ``global_batch_size``, ``max_targets``, multi-scale).
         optim: As ``fit`` (``accumulate`` changes the program).

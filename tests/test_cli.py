@@ -92,7 +92,8 @@ def test_bad_config_is_one_clear_error_before_anything_runs(tmp_path: Path) -> N
                     "data.max_targets=31 is more than the 30 queries per group (model.num_queries)",
                     "data.scales=[96] needs data.multi_scale=true",
                     "model.resolution=100 must be a multiple of 32 for model.variant=nano",
-                    "eval.every_steps=50 and eval.every_epochs=2.0 are both set: evaluate in steps or in epochs"):
+                    "eval.every_steps=50 and eval.every_epochs=2.0 are both set: evaluate in steps (--eval.every_epochs null) "
+                    "or in epochs"):
         assert problem in result.stderr, problem
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()

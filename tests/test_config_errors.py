@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from spmd_rfdetr.config import resolve as openxla_fix  # the openxla fix's version check, fix_available, lives here
-from spmd_rfdetr.config import resolve
+from spmd_rfdetr.config import length, resolve
 from spmd_rfdetr.config.options import ConfigError, DataOptions, RunConfig
 from spmd_rfdetr.config.resolve import resolve_and_check
 
@@ -61,8 +61,11 @@ CASES = {
     "eval_every": (edited(eval={"every_steps": -1}), None,
                    "eval.every_steps=-1 must be >= 0 (0 = no evaluation inside fit)"),
     "eval_steps_and_epochs": (edited(eval={"every_steps": 50, "every_epochs": 1.0}), None,
-                              "eval.every_steps=50 and eval.every_epochs=1.0 are both set: evaluate in steps or in "
-                              "epochs (eval.every_steps: 0 with eval.every_epochs)"),
+                              "eval.every_steps=50 and eval.every_epochs=1.0 are both set: evaluate in steps "
+                              "(--eval.every_epochs null) or in epochs (eval.every_steps: 0)"),
+    "epochs_and_steps": (edited(trainer={"epochs": 10.0, "max_steps": 500}), None,
+                         "trainer.epochs=10 and trainer.max_steps=500 both set the run's length: count it in epochs "
+                         "(leave trainer.max_steps out) or in steps (--trainer.epochs null)"),
     "eval_epochs": (edited(eval={"every_epochs": 0.0}), None,
                     "eval.every_epochs=0.0 must be > 0 (or unset: eval.every_steps counts)"),
     "early_stopping_without_eval": (edited(eval={"early_stopping": True}), None,
@@ -112,14 +115,35 @@ def test_eval_every_epochs_counts_in_the_steps_trainer_epochs_uses() -> None:
     ``fit``'s data check read the eval split."""
     from spmd_rfdetr.data.check import fit_splits
 
-    assert resolve.steps_per_epoch(edited()(), 37) == 4
+    assert length.steps_per_epoch(edited()(), 37) == 4
     for epochs, steps in ((1.0, 4), (2.5, 10), (0.5, 2), (0.1, 1)):
-        assert resolve.eval_every_steps(edited(eval={"every_epochs": epochs})(), 37) == steps, epochs
-    assert resolve.eval_every_steps(edited(eval={"every_steps": 7})(), 37) == 7
-    assert resolve.eval_every_steps(edited()(), 37) == 0  # no evaluation
+        assert length.eval_every_steps(edited(eval={"every_epochs": epochs})(), 37) == steps, epochs
+    assert length.eval_every_steps(edited(eval={"every_steps": 7})(), 37) == 7
+    assert length.eval_every_steps(edited()(), 37) == 0  # no evaluation
     assert fit_splits(edited(eval={"every_epochs": 1.0})()) == ["train", "valid"]
     assert fit_splits(edited(eval={"every_steps": 3})()) == ["train", "valid"]
     assert fit_splits(edited()()) == ["train"]
+
+
+def test_epochs_become_steps_and_a_schedule_that_cannot_work_is_named(caplog: pytest.LogCaptureFixture) -> None:
+    """rfdetr's units as steps (a recipe's ``trainer.epochs``, ``optim.warmup_epochs``); a warm-up covering most (or
+    all) of the run and a step schedule that never drops are warned about; a dataset smaller than one global batch
+    gives epochs no step: one ConfigError naming the fixes."""
+    cfg = edited(trainer={"epochs": 10.0}, optim={"warmup_epochs": 1.0})()
+    length.size_in_steps(cfg, 37)  # 4 steps an epoch
+    assert (cfg.trainer.max_steps, cfg.optim.warmup_steps) == (40, 4) and not caplog.records
+    cfg = edited(trainer={"epochs": 2.0}, optim={"warmup_epochs": 1.5})()
+    length.size_in_steps(cfg, 37)
+    assert "optim.warmup_epochs=1.5 (6 steps) covers 75% of the run's 8 steps" in caplog.text
+    caplog.clear()
+    cfg = edited(trainer={"epochs": 1.0}, optim={"warmup_steps": 20, "schedule": "step", "lr_drop_step": 0})()
+    length.size_in_steps(cfg, 37)
+    assert "optim.warmup_steps=20 covers the whole run of 4 steps: the LR never reaches optim.lr=0.0001" in caplog.text
+    assert "optim.schedule=step with optim.lr_drop_step=0: the LR never drops" in caplog.text
+    with pytest.raises(ConfigError, match=r"trainer.epochs, eval.every_epochs count\(s\) in epochs, but the 7 usable "
+                                          r"train images of data/synth are fewer than one global batch of 8"):
+        length.size_in_steps(edited(trainer={"epochs": 3.0}, eval={"every_epochs": 1.0})(), 7)
+    length.size_in_steps(edited(trainer={"max_steps": 5})(), 7)  # counted in steps: no epoch needed
 
 
 def test_openxla_is_refused_where_the_fix_is_not_verified(monkeypatch: pytest.MonkeyPatch) -> None:

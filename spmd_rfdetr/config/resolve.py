@@ -8,6 +8,7 @@ import os
 import sys
 from importlib.metadata import version
 
+from spmd_rfdetr.config.length import evaluates_in_fit, length_problems
 from spmd_rfdetr.config.options import (AUTO_WEIGHTS, ConfigError, ModelOptions, RunConfig, is_keypoint, is_segmentation,
                                         logit_count, published_weights, resolved_weights, variant_defaults)
 
@@ -90,12 +91,13 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
         problems.append(f"data.num_workers={d.num_workers!r} must be >= 0 or auto")
     if cfg.trainer.epochs is not None and not cfg.trainer.epochs > 0:
         problems.append(f"trainer.epochs={cfg.trainer.epochs} must be > 0 (or unset: trainer.max_steps counts)")
+    problems += length_problems(cfg)
     e = cfg.eval
     if cfg.optim.warmup_epochs is not None and not cfg.optim.warmup_epochs >= 0:
         problems.append(f"optim.warmup_epochs={cfg.optim.warmup_epochs} must be >= 0")
     if e.every_epochs is not None and e.every_steps != 0:
         problems.append(f"eval.every_steps={e.every_steps} and eval.every_epochs={e.every_epochs} are both set: "
-                        "evaluate in steps or in epochs (eval.every_steps: 0 with eval.every_epochs)")
+                        "evaluate in steps (--eval.every_epochs null) or in epochs (eval.every_steps: 0)")
     if e.every_epochs is not None and not e.every_epochs > 0:
         problems.append(f"eval.every_epochs={e.every_epochs} must be > 0 (or unset: eval.every_steps counts)")
     if e.early_stopping and not evaluates_in_fit(cfg):
@@ -254,24 +256,6 @@ def fetch_pretrain_weights(model: ModelOptions) -> None:
         f"{name} on a machine with internet and copy it into rfdetr's cache ($RF_HOME, here {get_model_cache_dir()}),"
         f" or {local}"
     )
-
-
-def evaluates_in_fit(cfg: RunConfig) -> bool:
-    """Whether ``fit`` evaluates (``eval.every_steps`` > 0 or ``eval.every_epochs`` set)."""
-    return cfg.eval.every_steps > 0 or cfg.eval.every_epochs is not None
-
-
-def steps_per_epoch(cfg: RunConfig, train_images: int) -> int:
-    """Optimizer steps per pass over ``train_images`` usable train images, as rfdetr counts an epoch (the last partial
-    batch dropped): what ``trainer.epochs`` and ``eval.every_epochs`` are converted with."""
-    return train_images // cfg.data.global_batch_size
-
-
-def eval_every_steps(cfg: RunConfig, train_images: int) -> int:
-    """``fit``'s evaluation interval in steps: ``eval.every_steps``, or ``eval.every_epochs`` converted (at least 1)."""
-    if cfg.eval.every_epochs is None:
-        return cfg.eval.every_steps
-    return max(1, round(cfg.eval.every_epochs * steps_per_epoch(cfg, train_images)))
 
 
 def upstream_scales(model: ModelOptions) -> list[int]:

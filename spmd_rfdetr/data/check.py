@@ -32,7 +32,7 @@ from typing import Any
 from tqdm import tqdm
 
 from spmd_rfdetr.config.options import ConfigError, RunConfig, is_keypoint, is_segmentation
-from spmd_rfdetr.config.resolve import evaluates_in_fit
+from spmd_rfdetr.config.length import evaluates_in_fit
 from spmd_rfdetr.data import check_cache
 from spmd_rfdetr.data import check_keypoints as keypoint_checks
 from spmd_rfdetr.data import check_masks as mask_checks

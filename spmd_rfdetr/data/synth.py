@@ -185,8 +185,9 @@ def synth(
     min_objects: int = 1,
     keypoints: bool = False,
 ) -> Path:
-    """Write a synthetic shapes dataset in Roboflow COCO layout: boxes and exact masks (RLE ``segmentation``), and
-    with ``keypoints`` five COCO keypoints per object.
+    """Write a synthetic shapes dataset in Roboflow's COCO layout, to try every verb without a dataset of your own.
+
+    Each object has its box and exact mask (RLE ``segmentation``); with ``keypoints``, five COCO keypoints.
 
     Args:
         output_dir: Dataset root to create; must not exist or be an empty directory. Gets ``train/``, ``valid/`` and

@@ -63,9 +63,6 @@ CASES = {
     "eval_steps_and_epochs": (edited(eval={"every_steps": 50, "every_epochs": 1.0}), None,
                               "eval.every_steps=50 and eval.every_epochs=1.0 are both set: evaluate in steps "
                               "(--eval.every_epochs null) or in epochs (eval.every_steps: 0)"),
-    "epochs_and_steps": (edited(trainer={"epochs": 10.0, "max_steps": 500}), None,
-                         "trainer.epochs=10 and trainer.max_steps=500 both set the run's length: count it in epochs "
-                         "(leave trainer.max_steps out) or in steps (--trainer.epochs null)"),
     "eval_epochs": (edited(eval={"every_epochs": 0.0}), None,
                     "eval.every_epochs=0.0 must be > 0 (or unset: eval.every_steps counts)"),
     "early_stopping_without_eval": (edited(eval={"early_stopping": True}), None,
@@ -126,15 +123,16 @@ def test_eval_every_epochs_counts_in_the_steps_trainer_epochs_uses() -> None:
 
 
 def test_epochs_become_steps_and_a_schedule_that_cannot_work_is_named(caplog: pytest.LogCaptureFixture) -> None:
-    """rfdetr's units as steps (a recipe's ``trainer.epochs``, ``optim.warmup_epochs``); a warm-up covering most (or
-    all) of the run and a step schedule that never drops are warned about; a dataset smaller than one global batch
+    """rfdetr's units as steps (a recipe's ``trainer.epochs``, ``optim.warmup_epochs``); a ``max_steps`` that epochs
+    replace, a warm-up covering most (or all) of the run and a step schedule that never drops are warned about; a dataset smaller than one global batch
     gives epochs no step: one ConfigError naming the fixes."""
     cfg = edited(trainer={"epochs": 10.0}, optim={"warmup_epochs": 1.0})()
     length.size_in_steps(cfg, 37)  # 4 steps an epoch
     assert (cfg.trainer.max_steps, cfg.optim.warmup_steps) == (40, 4) and not caplog.records
-    cfg = edited(trainer={"epochs": 2.0}, optim={"warmup_epochs": 1.5})()
+    cfg = edited(trainer={"epochs": 2.0, "max_steps": 500}, optim={"warmup_epochs": 1.5})()
     length.size_in_steps(cfg, 37)
     assert "optim.warmup_epochs=1.5 (6 steps) covers 75% of the run's 8 steps" in caplog.text
+    assert "trainer.max_steps=500 is not used: trainer.epochs=2 decides the run's length" in caplog.text
     caplog.clear()
     cfg = edited(trainer={"epochs": 1.0}, optim={"warmup_steps": 20, "schedule": "step", "lr_drop_step": 0})()
     length.size_in_steps(cfg, 37)

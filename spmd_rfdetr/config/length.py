@@ -36,19 +36,11 @@ def eval_every_steps(cfg: RunConfig, train_images: int) -> int:
     return max(1, round(cfg.eval.every_epochs * steps_per_epoch(cfg, train_images)))
 
 
-def length_problems(cfg: RunConfig) -> list[str]:
-    """What is contradictory about the run's length before the dataset is read (``resolve_and_check`` lists it)."""
-    t = cfg.trainer
-    if t.epochs is not None and t.max_steps != TrainerOptions.max_steps:
-        return [f"trainer.epochs={t.epochs:g} and trainer.max_steps={t.max_steps} both set the run's length: count "
-                "it in epochs (leave trainer.max_steps out) or in steps (--trainer.epochs null)"]
-    return []
-
-
 def size_in_steps(cfg: RunConfig, train_images: int) -> None:
     """Convert rfdetr's units to steps (``trainer.max_steps``, ``optim.warmup_steps``) for ``train_images`` usable
-    train images; raise :class:`ConfigError` when an epoch has no step, and warn when the warm-up covers most of the run
-    (or all of it) or a step schedule never drops."""
+    train images; raise :class:`ConfigError` when an epoch has no step, and warn when ``trainer.max_steps`` is
+    overridden by ``trainer.epochs``, when the warm-up covers most of the run (or all of it) or a step schedule never
+    drops."""
     t, o, d = cfg.trainer, cfg.optim, cfg.data
     per_epoch = steps_per_epoch(cfg, train_images)
     in_epochs = [name for name, value in (("trainer.epochs", t.epochs), ("optim.warmup_epochs", o.warmup_epochs),
@@ -60,6 +52,9 @@ def size_in_steps(cfg: RunConfig, train_images: int) -> None:
             "data.per_device_batch_size (or data.global_batch_size), use fewer devices (mesh.data), or count in "
             "steps (trainer.max_steps, optim.warmup_steps, eval.every_steps)")
     if t.epochs is not None:
+        if t.max_steps != TrainerOptions.max_steps:  # e.g. --trainer.max_steps on a recipe that counts in epochs
+            log.warning("trainer.max_steps=%d is not used: trainer.epochs=%g decides the run's length (add "
+                        "--trainer.epochs null to count in steps)", t.max_steps, t.epochs)
         t.max_steps = max(1, round(t.epochs * per_epoch))
         log.info("trainer.epochs=%g: %d steps of %d images over %d train images (%d steps an epoch)", t.epochs,
                  t.max_steps, d.global_batch_size, train_images, per_epoch)

@@ -8,7 +8,7 @@ import os
 import sys
 from importlib.metadata import version
 
-from spmd_rfdetr.config.length import evaluates_in_fit, length_problems
+from spmd_rfdetr.config.length import evaluates_in_fit
 from spmd_rfdetr.config.options import (AUTO_WEIGHTS, ConfigError, ModelOptions, RunConfig, is_keypoint, is_segmentation,
                                         logit_count, published_weights, resolved_weights, variant_defaults)
 
@@ -91,7 +91,6 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
         problems.append(f"data.num_workers={d.num_workers!r} must be >= 0 or auto")
     if cfg.trainer.epochs is not None and not cfg.trainer.epochs > 0:
         problems.append(f"trainer.epochs={cfg.trainer.epochs} must be > 0 (or unset: trainer.max_steps counts)")
-    problems += length_problems(cfg)
     e = cfg.eval
     if cfg.optim.warmup_epochs is not None and not cfg.optim.warmup_epochs >= 0:
         problems.append(f"optim.warmup_epochs={cfg.optim.warmup_epochs} must be >= 0")

@@ -192,6 +192,30 @@ def test_tensorboard_and_csv_get_the_records(fit_run: Path):
 
 
 @pytest.mark.slow
+def test_wandb_gets_the_records_and_the_config(fit_run: Path):
+    """``trainer.loggers: [wandb]`` (the session fit, offline: a real W&B run on disk, read back from its ``.wandb``
+    file): a history row per record at the record's step, each numeric field equal to ``metrics.jsonl``'s (the loss
+    of every step, the evaluations' mAP, the counters); the resolved config as the run's config; the project and run
+    name by default (``spmd_rfdetr``, the output directory's name); the run finished when ``fit`` returned."""
+    from support.wandb_file import history, records, run_and_config
+
+    (run_file,) = (fit_run / "logs" / "wandb").glob("offline-run-*/run-*.wandb")
+    rows = {row["trainer/global_step"]: row for row in history(run_file)}
+    logged = read_metrics(fit_run)
+    assert sorted(rows) == [r["step"] for r in logged]
+    for r in logged:
+        numeric = {k: v for k, v in r.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
+        assert {k: rows[r["step"]].get(k) for k in numeric} == numeric, r["step"]
+    assert [rows[r["step"]]["loss"] for r in logged] == [r["loss"] for r in logged]
+    assert [s for s, row in rows.items() if "eval/mAP" in row] == [r["step"] for r in logged if "eval/mAP" in r]
+    run, config = run_and_config(run_file)
+    assert (run.project, run.display_name) == ("spmd_rfdetr", fit_run.name)
+    resolved = yaml.safe_load((fit_run / "config.yaml").read_text())
+    assert {k: v for k, v in config.items() if not k.startswith("_")} == resolved
+    assert "exit" in {r.WhichOneof("record_type") for r in records(run_file)}  # finished (WandbRun.finalize)
+
+
+@pytest.mark.slow
 def test_a_nan_step_stops_fit_or_is_skipped(tiny, synth_dir: str, loop_run: Path, tmp_path: Path, monkeypatch):
     """A real NaN batch at step 5 of the loop fit's config (its graphs are compiled already, in this process):
     ``stop`` ends the run there, naming the step, with the step-4 checkpoint finite and no last.pth; ``skip_step``

@@ -201,8 +201,17 @@ class TrainerOptions:
     resume: str | None = None
     """``auto``: continue from the newest complete checkpoint in ``output_dir/checkpoints`` (a fresh start if there is
     none); a path: continue from that checkpoint directory; ``None``: start fresh."""
-    loggers: list[Literal["tensorboard", "csv"]] = field(default_factory=list)
-    """Extra loggers (Lightning Fabric's) fed the same records as ``metrics.jsonl``, under ``output_dir/logs``."""
+    loggers: list[Literal["tensorboard", "csv", "wandb"]] = field(default_factory=list)
+    """Extra loggers fed every numeric field of every ``metrics.jsonl`` record, writing under ``output_dir/logs``:
+    Lightning Fabric's ``tensorboard`` and ``csv``, and Weights & Biases (``wandb``, Lightning's ``WandbLogger``; the
+    resolved config is the W&B run's config). Several hosts: the coordinator logs. ``wandb`` needs ``wandb login`` or
+    ``WANDB_API_KEY`` (checked before anything is built), or ``WANDB_MODE=offline`` (``wandb sync`` uploads later)."""
+    wandb_project: str = "spmd_rfdetr"
+    """The W&B project of ``loggers: [wandb]`` (rfdetr's ``project``); the entity is your default one, or
+    ``WANDB_ENTITY``."""
+    wandb_run: str | None = None
+    """The W&B run's display name (rfdetr's ``run``); ``None``: the name of ``output_dir``. Each ``fit``, a resume
+    too, is a new W&B run (its steps continue where the checkpoint left off)."""
     compile_cache_dir: str | None = None
     """Persistent XLA compilation cache (a second run with the same config compiles nothing). ``None``: a directory
     under ``~/.cache/spmd_rfdetr/xla`` on TPU; the XLA CPU backend cannot read its own cache back, so it is off there."""

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch_xla.debug.metrics as met
 
+from spmd_rfdetr.config.options import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -122,10 +124,10 @@ class MetricsLog:
             line = f"[{'#' * done}{'.' * (30 - done)}] " + line
         self._print(line)
 
-    def close(self) -> None:
-        """Flush and close the extra loggers."""
+    def close(self, status: str = "success") -> None:
+        """Flush and close the extra loggers (``status``: ``success``, or ``failed`` when the run stops on an error)."""
         for logger in self.loggers:
-            logger.finalize("success")
+            logger.finalize(status)
 
     def _keep_until(self, step: int) -> None:
         if not self.path.exists():
@@ -152,9 +154,61 @@ class MetricsLog:
         print(line, file=sys.stderr, flush=True)
 
 
-def build_loggers(names: Sequence[str], output_dir: str | Path) -> list[Any]:
-    """Lightning Fabric's loggers by name (``tensorboard``, ``csv``), writing under ``<output_dir>/logs``."""
-    from lightning_fabric.loggers import CSVLogger, TensorBoardLogger  # lazy: tensorboard's import only when asked for
+def build_loggers(names: Sequence[str], output_dir: str | Path, *, wandb_project: str = "spmd_rfdetr",
+                  wandb_run: str | None = None, config: dict[str, Any] | None = None) -> list[Any]:
+    """The extra loggers by name, writing under ``<output_dir>/logs``: Lightning Fabric's ``tensorboard`` and ``csv``;
+    ``wandb``: a W&B run (Lightning's ``WandbLogger``) in project ``wandb_project`` named ``wandb_run`` (``None``: the
+    output directory's name) with ``config`` as its config, started here: an error (no API key, no network) comes
+    before anything compiles, as a :class:`~spmd_rfdetr.config.options.ConfigError`."""
+    # lazy: tensorboard's and wandb's imports only when asked for
+    from lightning_fabric.loggers import CSVLogger, TensorBoardLogger
 
+    logs = Path(output_dir) / "logs"
     kinds = {"tensorboard": TensorBoardLogger, "csv": CSVLogger}
-    return [kinds[name](root_dir=str(Path(output_dir) / "logs"), name=name) for name in names]
+    loggers = []
+    for name in names:
+        if name == "wandb":
+            loggers.append(WandbRun(logs, wandb_project, wandb_run or Path(output_dir).resolve().name, config))
+        else:
+            loggers.append(kinds[name](root_dir=str(logs), name=name))
+    return loggers
+
+
+def wandb_login_problem() -> str | None:
+    """Why ``trainer.loggers: [wandb]`` cannot log here (``None``: it can): online without credentials. Never prompts:
+    wandb itself would ask for a key on a terminal (after start-up) and raise in a process without one."""
+    import wandb  # lazy: only for loggers: [wandb]
+
+    settings = wandb.setup().settings  # WANDB_MODE, or the mode `wandb offline` / `wandb disabled` saved
+    if settings._offline or settings._noop or wandb.login(prompt=False, verify=False):
+        return None
+    return ("trainer.loggers: wandb has no API key in this process (online mode): run `wandb login` once on this "
+            "machine, or set WANDB_API_KEY; or set WANDB_MODE=offline to write the W&B run under output_dir/logs/wandb "
+            "and upload it later with `wandb sync`; or leave wandb out of trainer.loggers")
+
+
+class WandbRun:
+    """One W&B run through Lightning's ``WandbLogger`` (its ``log_metrics``, each record's ``step`` as the
+    ``trainer/global_step`` axis). :meth:`finalize` also finishes the W&B run, which ``WandbLogger.finalize`` leaves
+    open (Lightning's Trainer relies on wandb's exit hook): its files are complete when ``fit`` returns, and another
+    ``fit`` in this process starts a run of its own instead of reusing this one."""
+
+    def __init__(self, save_dir: Path, project: str, name: str, config: dict[str, Any] | None) -> None:
+        import wandb  # lazy: only for loggers: [wandb]
+        from pytorch_lightning.loggers import WandbLogger  # lazy: as wandb
+
+        save_dir.mkdir(parents=True, exist_ok=True)
+        self.logger = WandbLogger(name=name, project=project, save_dir=str(save_dir), config=config)
+        self.logger._wandb_init.pop("anonymous", None)  # Lightning always passes it; wandb 0.31 warns it does nothing
+        try:
+            self.logger.experiment  # wandb.init now, not at the first record (after the first step's compile)
+        except wandb.errors.Error as error:
+            raise ConfigError(f"trainer.loggers: wandb could not start a run ({type(error).__name__}: {error}); "
+                              "check `wandb login` / WANDB_API_KEY and the network, or set WANDB_MODE=offline") from error
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.logger.log_metrics(metrics, step=step)
+
+    def finalize(self, status: str) -> None:
+        self.logger.finalize(status)
+        self.logger.experiment.finish(exit_code=0 if status == "success" else 1)

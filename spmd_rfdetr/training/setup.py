@@ -21,7 +21,7 @@ from typing import Any
 import torch_xla.runtime as xr
 import yaml
 
-from spmd_rfdetr.config.options import RunConfig, is_keypoint, is_segmentation
+from spmd_rfdetr.config.options import ConfigError, RunConfig, is_keypoint, is_segmentation
 from spmd_rfdetr.config.resolve import (eval_every_steps, evaluates_in_fit, fetch_pretrain_weights,
                                         multi_scale_buckets, resolve_and_check, steps_per_epoch, upstream_scales)
 from spmd_rfdetr.data.batches import blank_batch, first_uses, make_train_loader
@@ -32,6 +32,7 @@ from spmd_rfdetr.model.weights import rfdetr_entries
 from spmd_rfdetr.training import checkpoint
 from spmd_rfdetr.training.build import Trainer, unwrap
 from spmd_rfdetr.training.evaluation import FitEvaluation, fit_evaluation
+from spmd_rfdetr.training.metrics import wandb_login_problem
 from spmd_rfdetr.training.step import TrainStep
 from spmd_rfdetr.xla import hosts
 from spmd_rfdetr.xla.fabric import spmd_fabric
@@ -72,6 +73,10 @@ def prepare(cfg: RunConfig) -> Run:
     """Check, size and lay out the run before anything is built (``setup_runtime`` has run)."""
     resolve_and_check(cfg, xr.global_runtime_device_count())
     t, d = cfg.trainer, cfg.data
+    if "wandb" in t.loggers:  # the coordinator logs: its credentials, before the weights, the data check, the build
+        problem = hosts.from_coordinator(lambda: (wandb_login_problem() or "").encode()).decode()
+        if problem:
+            raise ConfigError(problem)
     out = Path(t.output_dir)
     resume_from = checkpoint.latest(out) if t.resume == "auto" else t.resume
     if resume_from:  # the checkpoint holds every weight: the starting weights are neither fetched nor loaded

@@ -14,6 +14,7 @@ from spmd_rfdetr.training.metrics import MetricsLog, build_loggers, execute_seco
 from spmd_rfdetr.training.setup import Run, TrainData
 from spmd_rfdetr.training.step import TrainStep
 from spmd_rfdetr.training.stops import NonFiniteLoss, Preemption
+from spmd_rfdetr.xla import hosts
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +27,17 @@ class StepLog:
 
     def __init__(self, run: Run, step_fn: TrainStep, preemption: Preemption, start: int, started: float) -> None:
         t = run.cfg.trainer
+        loggers: list[Any] = []
+
+        def start_loggers() -> bytes:  # the coordinator's; should one fail to start (wandb.init), every host raises
+            loggers.extend(build_loggers(t.loggers, run.out, wandb_project=t.wandb_project, wandb_run=t.wandb_run,
+                                         config=run.resolved))
+            return b""
+
+        hosts.from_coordinator(start_loggers)
         # from here the XLA counters count toward the first record (the bucket compiles before step 1 too)
         self.metrics = MetricsLog(run.out, t.max_steps, t.progress_bar, start_step=start, writes_file=run.coordinator,
-                                  loggers=build_loggers(t.loggers, run.out) if run.coordinator else [])
+                                  loggers=loggers)
         self.run, self.step_fn, self.preemption = run, step_fn, preemption
         self.start, self.started = start, started
         self.nonfinite_seen = 0
@@ -99,7 +108,7 @@ class StepLog:
         self.nonfinite_seen = int(values["nonfinite_steps"])
         if problem and self.run.cfg.trainer.on_nonfinite == "stop":
             self.metrics.write(record)
-            self.metrics.close()
+            self.metrics.close("failed")
             raise NonFiniteLoss(f"{problem}. Training stopped (trainer.on_nonfinite=stop); the newest checkpoint in "
                                 f"{self.run.out / checkpoint.CHECKPOINTS} has finite weights. Lower the learning "
                                 "rate or check the data, then --trainer.resume auto.")

@@ -92,11 +92,14 @@ def first_steps(tiny: Tiny, mesh_trainer: MeshTrainer) -> FirstSteps:
 @pytest.fixture(scope="session")
 def fit_run(tiny: Tiny, synth_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``fit`` on the mesh in the default step mode (replay); its output directory (metrics, checkpoints, evals).
-    In this process, not a background job: the jobs are the longer half of the suite already."""
+    In this process, not a background job: the jobs are the longer half of the suite already. Its W&B logger runs
+    offline (``WANDB_MODE`` set for the fit only: the environment of the tests after it is left as it was)."""
     from spmd_rfdetr.training import loop
 
     cfg = fit_config(tiny, synth_dir, tmp_path_factory.mktemp("fit"), "replay")
-    loop.fit(cfg)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("WANDB_MODE", "offline")
+        loop.fit(cfg)
     return Path(cfg.trainer.output_dir)
 
 

@@ -140,7 +140,7 @@ def fit_config(tiny: Tiny, synth_dir: str, base: Any, step_mode: str) -> RunConf
     cfg.trainer.output_dir = str(base / f"out-{step_mode}")
     cfg.trainer.max_steps, cfg.trainer.log_every, cfg.trainer.progress_bar = FIT_STEPS, 1, False
     cfg.trainer.step_mode = step_mode
-    cfg.trainer.loggers = ["tensorboard", "csv"]
+    cfg.trainer.loggers = ["tensorboard", "csv", "wandb"]  # wandb: fit_run runs it with WANDB_MODE=offline
     cfg.eval.every_steps = EVAL_EVERY
     return cfg
 
@@ -150,6 +150,7 @@ def loop_config(tiny: Tiny, synth_dir: str, base: Any, step_mode: str) -> RunCon
     cfg = fit_config(tiny, synth_dir, base, step_mode)
     cfg.model = copy.deepcopy(LOOP_MODEL)
     cfg.trainer.max_steps, cfg.eval.every_steps = LOOP_STEPS, 0
+    cfg.trainer.loggers = ["tensorboard", "csv"]  # W&B is the session fit's alone (its CLI runs would need WANDB_MODE)
     return cfg
 
 

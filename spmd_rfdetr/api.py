@@ -38,6 +38,61 @@ UPSTREAM_NAMES = {
     "early_stopping_patience": "eval.early_stopping_patience",
     "early_stopping_min_delta": "eval.early_stopping_min_delta",
     "early_stopping_use_ema": "eval.early_stopping_use_ema",
+    "eval_interval": "eval.every_epochs",  # both count in epochs (converted to steps at the start)
+    "eval_max_dets": "eval.max_dets",
+    "eval_base_model": "eval.base_model",
+    "ema_tau": "model.ema_tau",
+    "lr_vit_layer_decay": "optim.lr_vit_layer_decay",
+    "lr_component_decay": "optim.lr_component_decay",
+    "clip_max_norm": "optim.clip_max_norm",
+    "lr_scheduler": "optim.schedule",  # by name: cosine, step
+    "dataset_file": "data.dataset_format",
+    "multi_scale": "data.multi_scale",  # see UPSTREAM_VALUES
+    "amp_dtype": "trainer.precision",  # see UPSTREAM_VALUES
+    "progress_bar": "trainer.progress_bar",  # see UPSTREAM_VALUES
+    "project": "trainer.wandb_project",  # with wandb=True (UPSTREAM_LOGGERS)
+    "run": "trainer.wandb_run",
+}
+
+#: rfdetr's values of the names above whose values differ from ours: rfdetr's value -> ours (any other is refused).
+UPSTREAM_VALUES: dict[str, dict[Any, Any]] = {
+    "multi_scale": {"off": False, "per-batch": True, False: False, True: True},  # rfdetr's MultiScale (a str enum)
+    "amp_dtype": {"auto": "bf16", "bf16": "bf16", None: "fp32"},  # rfdetr's auto is bf16 on TPU; None: no autocast
+    "progress_bar": {None: None, "tqdm": True, "rich": True, True: True, False: False},
+}
+
+#: rfdetr's logger switches -> our ``trainer.loggers`` entry and rfdetr's default. Given either, ``trainer.loggers``
+#: becomes the loggers they switch on, with rfdetr's defaults for the other (``wandb=True`` alone: tensorboard and
+#: wandb); given neither, the config's list stands.
+UPSTREAM_LOGGERS = {"tensorboard": ("tensorboard", True), "wandb": ("wandb", False)}
+
+#: rfdetr's ``train(...)`` arguments not taken here -> what to use instead (all named in one ConfigError).
+UPSTREAM_REFUSED = {
+    "checkpoint_interval": "rfdetr counts it in epochs; full training-state checkpoints here count optimizer steps: "
+                           "options={'checkpointing.every_steps': N} (steps per epoch: usable train images // global "
+                           "batch, which fit logs with epochs=...; the weights are last.pth, and best.pth by eval mAP)",
+    "lr_drop": "rfdetr counts it in epochs: options={'optim.schedule': 'step', 'optim.lr_drop_step': lr_drop x steps "
+               "per epoch}",
+    "lr_scheduler_kwargs": "options={'optim.lr_drop_step': N} for lr_scheduler='step', "
+                           "{'optim.min_lr_factor': f} for 'cosine'",
+    "class_names": "the class names are the dataset's categories (COCO annotations, YOLO data.yaml): name them there",
+    "eval_batch_size": "rfdetr's is per device: options={'eval.global_batch_size': eval_batch_size x devices}",
+    "devices": "one process drives every device of its host as one SPMD mesh: options={'mesh.data': N, "
+               "'mesh.fsdp': M}; several hosts: start fit on every VM",
+    "num_nodes": "several hosts: start fit on every VM, each drives its own devices (one SPMD mesh over all)",
+    "accelerator": "the device is torch_xla's (PJRT_DEVICE; options={'mesh.cpu_devices': N} for a CPU mesh)",
+    "strategy": "always SPMD over the mesh: options={'mesh.data': N, 'mesh.fsdp': M}",
+    "mlflow": "not a logger here: trainer.loggers takes tensorboard, csv, wandb (tensorboard=True, wandb=True, "
+              "options={'trainer.loggers': [...]})",
+    "clearml": "not a logger here: trainer.loggers takes tensorboard, csv, wandb (tensorboard=True, wandb=True, "
+               "options={'trainer.loggers': [...]})",
+    "run_test": "evaluate the test split after fit: python -m spmd_rfdetr validate --eval.split test (or "
+                "options={'eval.split': 'test'} to evaluate it during fit)",
+    "fp16_eval": "evaluation runs in trainer.precision (amp_dtype: bf16, or None for fp32); TPUs have no fp16",
+    "optimizer": "AdamW always (rfdetr's default), with rfdetr's parameter groups: options={'optim.*': ...}",
+    "optimizer_kwargs": "options={'optim.weight_decay': ..., 'optim.lr': ...}",
+    "drop_path": "not supported: rfdetr's default 0.0 is what trains",
+    "aug_config": "not configurable here: rfdetr's default augmentations train",
 }
 
 
@@ -60,11 +115,14 @@ def train(variant: str | None = None, *, config: str | None = None, epochs: floa
             ...); ``None``: the config's (a recipe's variant stands), else ``nano``.
         config: a YAML recipe (``configs/v5e.yaml`` ...) the other arguments override.
         epochs: passes over the train split (``trainer.epochs``); or
-        max_steps: optimizer steps (``trainer.max_steps``); neither: the config's.
+        max_steps: optimizer steps (``trainer.max_steps``, and ``trainer.epochs`` unset); neither: the config's.
         options: any other option by its CLI name, e.g. ``{"eval.every_steps": 100, "mesh.cpu_devices": 4}``.
         verbose: show the XLA, torch and rfdetr warnings left out by default (the CLI's ``--verbose``,
             :mod:`spmd_rfdetr.quiet`).
-        **upstream: rfdetr's argument names (:data:`UPSTREAM_NAMES`), e.g. ``dataset_dir``, ``batch_size``, ``lr``;
+        **upstream: rfdetr's argument names (:data:`UPSTREAM_NAMES`, :data:`UPSTREAM_LOGGERS`), e.g.
+            ``dataset_dir``, ``batch_size``, ``lr``, ``eval_interval``, ``wandb=True, project=..., run=...``; its names
+            with no counterpart here (:data:`UPSTREAM_REFUSED`, e.g. ``checkpoint_interval``) raise one ConfigError
+            naming what to use instead;
             ``pretrain_weights`` as the CLI's (default ``"auto"``: the variant's published weights, as rfdetr's
             ``RFDETRNano()`` fine-tunes; ``None``: from scratch). ``grad_accum_steps=k`` with ``batch_size=b`` is
             rfdetr's ``b`` images per device per micro-batch, ``k`` micro-batches per optimizer step (our
@@ -94,16 +152,28 @@ def train(variant: str | None = None, *, config: str | None = None, epochs: floa
 def fit_arguments(variant: str | None = None, *, config: str | None = None, epochs: float | None = None,
                   max_steps: int | None = None, options: dict[str, Any] | None = None, **upstream: Any) -> list[str]:
     """:func:`train`'s arguments as ``fit``'s command line (``--config`` first: the options after it override it)."""
-    unknown = sorted(set(upstream) - set(UPSTREAM_NAMES))
+    problems = [f"rfdetr's {name} is not taken here: {UPSTREAM_REFUSED[name]}" for name in upstream
+                if name in UPSTREAM_REFUSED]
+    unknown = sorted(set(upstream) - set(UPSTREAM_NAMES) - set(UPSTREAM_LOGGERS) - set(UPSTREAM_REFUSED))
     if unknown:
-        raise ConfigError(f"train(): unknown argument(s) {', '.join(unknown)}; rfdetr's names accepted here: "
-                          f"{', '.join(UPSTREAM_NAMES)}; any other option goes in options={{'section.field': value}}")
+        problems.append(f"unknown argument(s) {', '.join(unknown)}; rfdetr's names accepted here: "
+                        f"{', '.join([*UPSTREAM_NAMES, *UPSTREAM_LOGGERS])}; any other option goes in "
+                        "options={'section.field': value}")
+    problems += [f"{name}={upstream[name]!r} is not taken here: one of {', '.join(map(repr, table))}"
+                 for name, table in UPSTREAM_VALUES.items() if name in upstream and not _known(upstream[name], table)]
     if epochs is not None and max_steps is not None:
-        raise ConfigError("train(): give epochs or max_steps, not both")
+        problems.append("give epochs or max_steps, not both")
+    if problems:
+        raise ConfigError("train(): " + problems[0] if len(problems) == 1 else
+                          "train(): several arguments are not taken:\n  - " + "\n  - ".join(problems))
+    mapped = {k: UPSTREAM_VALUES[k][v] if k in UPSTREAM_VALUES else v for k, v in _per_step_batch(upstream).items()
+              if k in UPSTREAM_NAMES}
+    loggers = {"trainer.loggers": [logger for flag, (logger, default) in UPSTREAM_LOGGERS.items()
+                                   if upstream.get(flag, default)]} if set(upstream) & set(UPSTREAM_LOGGERS) else {}
     values = {**({"model.variant": variant} if variant is not None else {}),
-              **{UPSTREAM_NAMES[k]: v for k, v in _per_step_batch(upstream).items()}, **(options or {})}
-    if max_steps is not None:
-        values["trainer.max_steps"] = max_steps
+              **{UPSTREAM_NAMES[k]: v for k, v in mapped.items()}, **loggers, **(options or {})}
+    if max_steps is not None:  # counted in steps, also on a recipe that counts in epochs
+        values.update({"trainer.max_steps": max_steps, "trainer.epochs": None})
     if epochs is not None:
         values["trainer.epochs"] = epochs
     argv = (["--config", config] if config else []) + [f"--{key}={_cli_value(value)}" for key, value in values.items()]
@@ -116,6 +186,14 @@ def _per_step_batch(upstream: dict[str, Any]) -> dict[str, Any]:
     if steps is None or "batch_size" not in upstream:
         return upstream
     return {**upstream, "batch_size": int(upstream["batch_size"]) * int(steps)}
+
+
+def _known(value: Any, table: dict[Any, Any]) -> bool:
+    """Whether ``value`` is one of ``table``'s keys (an unhashable value is not)."""
+    try:
+        return value in table
+    except TypeError:
+        return False
 
 
 def _cli_value(value: Any) -> str:

@@ -114,3 +114,31 @@ def test_a_recipes_variant_stands_and_rfdetrs_names_mean_what_they_mean_there():
             cfg.eval.early_stopping_use_ema) == (True, 4, 0.01, True)
     with pytest.raises(ConfigError, match=r"unknown argument\(s\) warmup_steps"):
         fit_arguments(warmup_steps=10)
+
+
+def test_rfdetrs_logger_switches_and_refused_names():
+    """rfdetr's ``wandb=True, project=..., run=...`` and ``tensorboard`` become ``trainer.loggers`` (rfdetr's defaults
+    for the switch not given: tensorboard on, wandb off) and the W&B options; without either switch the config's list
+    stands. rfdetr's names with no counterpart here are refused together, each naming what to use instead."""
+    from spmd_rfdetr.api import fit_arguments
+    from spmd_rfdetr.cli import run_config
+    from spmd_rfdetr.config.options import ConfigError
+
+    argv = fit_arguments(wandb=True, project="detectors", run="nano-1")
+    assert '--trainer.loggers=["tensorboard", "wandb"]' in argv
+    cfg = run_config(argv)
+    assert (cfg.trainer.loggers, cfg.trainer.wandb_project, cfg.trainer.wandb_run) == (
+        ["tensorboard", "wandb"], "detectors", "nano-1")
+    assert run_config(fit_arguments(wandb=True, tensorboard=False)).trainer.loggers == ["wandb"]
+    assert run_config(fit_arguments(tensorboard=True)).trainer.loggers == ["tensorboard"]
+    assert run_config(fit_arguments(tensorboard=False)).trainer.loggers == []
+    assert not any(a.startswith("--trainer.loggers") for a in fit_arguments(lr=1e-4))
+    cfg = run_config(fit_arguments(eval_interval=2, multi_scale="per-batch", amp_dtype=None))
+    assert (cfg.eval.every_epochs, cfg.data.multi_scale, cfg.trainer.precision) == (2, True, "fp32")
+    with pytest.raises(ConfigError) as refused:
+        fit_arguments(checkpoint_interval=10, class_names=["a"], multi_scale="per-sample")
+    message = str(refused.value)
+    assert "rfdetr's checkpoint_interval is not taken here: rfdetr counts it in epochs" in message
+    assert "options={'checkpointing.every_steps': N}" in message
+    assert "rfdetr's class_names is not taken here: the class names are the dataset's categories" in message
+    assert "multi_scale='per-sample' is not taken here: one of 'off', 'per-batch', False, True" in message

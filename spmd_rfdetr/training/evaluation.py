@@ -114,6 +114,9 @@ class FitEvaluation:
         :attr:`improved` (save ``best.pth`` when True)."""
         stem = f"step{step:07d}_"
         record: dict[str, float] = {}
+        if not self.history:  # the eval program compiles now: say so, the run would look stalled
+            print(f"evaluating at step {step} (the first evaluation compiles the eval program: about a minute)",
+                  flush=True)
         if self.raw_model is not None:  # first: the refreshes below then follow both passes
             with borrowed_weights(self.evaluator.forward.model, self.raw_model):
                 raw = self.evaluator.run()

@@ -34,6 +34,7 @@ def train(cfg: Any, preemption: Preemption, started: float) -> Path:
     steplog = StepLog(run, trainer.step, preemption, start, started)
     evaluation = setup.evaluation(run, trainer, meta)  # None when off
     data = setup.train_data(run, trainer.step, start)
+    log.info(_compile_notice(cfg, start))
     steplog.open(data)
     last_step = t.max_steps
     for step in range(start + 1, t.max_steps + 1):
@@ -60,6 +61,27 @@ def train(cfg: Any, preemption: Preemption, started: float) -> Path:
             return preemption.stopped(step, saved)
     steplog.close()
     return saver.last(last_step)
+
+
+#: What the first compile of the training step takes, by device type: what ``fit`` tells the user before it starts.
+COMPILE_TIME = {
+    "TPU": "a few minutes on a TPU VM (libtpu took 3-10 min for the recipes' steps on 2 CPU cores: "
+           "benchmarks/README.md; a TPU host has more), once: a restarted run loads it from trainer.compile_cache_dir",
+    "CPU": "1-4 min for a small RF-DETR on 2 cores (XLA's CPU compiler)",
+}
+
+
+def _compile_notice(cfg: Any, start: int) -> str:
+    """One line before step 1: what compiles now and roughly how long it takes (the first line after it is step 1's
+    record)."""
+    import torch_xla.runtime as xr  # lazy: torch_xla started long before (setup_runtime), as the rest of the run
+
+    device = str(xr.device_type())
+    m, d = cfg.model, cfg.data
+    what = (f"RF-DETR {m.variant}, {m.resolution or 'default'} px, {d.global_batch_size} images a step over "
+            f"{xr.global_runtime_device_count()} {device} device(s), {cfg.trainer.precision}")
+    return (f"compiling the training step ({what}) before step {start + 1}: "
+            f"{COMPILE_TIME.get(device, 'minutes')}; the step's line follows")
 
 
 def _evaluate(step: int, record: dict[str, Any], evaluation: FitEvaluation, saver: Saver) -> bool:

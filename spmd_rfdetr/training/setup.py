@@ -22,8 +22,8 @@ import torch_xla.runtime as xr
 import yaml
 
 from spmd_rfdetr.config.options import ConfigError, RunConfig, is_keypoint, is_segmentation
-from spmd_rfdetr.config.resolve import (eval_every_steps, evaluates_in_fit, fetch_pretrain_weights,
-                                        multi_scale_buckets, resolve_and_check, steps_per_epoch, upstream_scales)
+from spmd_rfdetr.config.length import eval_every_steps, evaluates_in_fit, log_eval_share, size_in_steps
+from spmd_rfdetr.config.resolve import fetch_pretrain_weights, multi_scale_buckets, resolve_and_check, upstream_scales
 from spmd_rfdetr.data.batches import blank_batch, first_uses, make_train_loader
 from spmd_rfdetr.data.check import check_data
 from spmd_rfdetr.data.splits import build_eval_split, build_split, check_overflow, class_names, num_classes_in
@@ -98,7 +98,7 @@ def prepare(cfg: RunConfig) -> Run:
     fabric = spmd_fabric(build_mesh(cfg.mesh.data, cfg.mesh.fsdp), precision=PRECISIONS[t.precision])
     fabric.seed_everything(t.seed)
     hosts.check_same_on_all_hosts(f"{d.dataset_dir}: the number of usable train images", len(train_set))
-    _size_in_steps(cfg, len(train_set))
+    size_in_steps(cfg, len(train_set))  # rfdetr's epochs as steps; an epoch without a step is a ConfigError
     resolved = dataclasses.asdict(cfg)
     resolved["model"]["num_classes"] = num_classes
     if cfgs.model.use_grouppose_keypoints:  # as read from the dataset: a weight file rebuilds the model without it
@@ -107,18 +107,6 @@ def prepare(cfg: RunConfig) -> Run:
         (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     entries = {"config": resolved, "class_names": names, **upstream_entries}
     return Run(cfg, out, resume_from, check_s, fabric, cfgs, train_set, eval_set, resolved, entries)
-
-
-def _size_in_steps(cfg: RunConfig, train_images: int) -> None:
-    """rfdetr's units, epochs (whole passes over the train split, the last partial batch dropped), as steps."""
-    t = cfg.trainer
-    if t.epochs is not None:
-        t.max_steps = max(1, round(t.epochs * steps_per_epoch(cfg, train_images)))
-        log.info("trainer.epochs=%g: %d steps of %d images over %d train images", t.epochs, t.max_steps,
-                 cfg.data.global_batch_size, train_images)
-    if cfg.optim.warmup_epochs is not None:  # rfdetr's warmup unit
-        cfg.optim.warmup_steps = round(cfg.optim.warmup_epochs * steps_per_epoch(cfg, train_images))
-        log.info("optim.warmup_epochs=%g: %d warmup steps", cfg.optim.warmup_epochs, cfg.optim.warmup_steps)
 
 
 @dataclass
@@ -193,9 +181,8 @@ def evaluation(run: Run, trainer: Trainer, meta: dict[str, Any]) -> FitEvaluatio
     them."""
     cfg = run.cfg
     eval_every = eval_every_steps(cfg, len(run.train_set))
-    if cfg.eval.every_epochs is not None:
-        log.info("eval.every_epochs=%g: an evaluation every %d steps (%d steps per epoch)", cfg.eval.every_epochs,
-                 eval_every, steps_per_epoch(cfg, len(run.train_set)))
+    if run.eval_set is not None:
+        log_eval_share(cfg, len(run.train_set), len(run.eval_set))
     raw = unwrap(trainer.model) if trainer.ema is not None and cfg.eval.base_model else None  # rfdetr's eval_base_model
     evaluation = fit_evaluation(cfg, run.cfgs, trainer.inference_model, run.fabric, run.eval_set, eval_every, raw)
     if evaluation is not None:

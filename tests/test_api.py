@@ -61,6 +61,11 @@ def test_train_runs_epochs_stops_early_and_returns_the_weight_file(api_train, sy
     assert "trainer.epochs=1: 4 steps of 8 images over 32 train images" in proc.stderr
     assert "early stopping at step 2: eval/mAP has not improved by 1 for 1 evaluations" in proc.stderr
     assert resolved["optim"]["warmup_steps"] == 2 and "optim.warmup_epochs=0.5: 2 warmup steps" in proc.stderr
+    # said before the first compile and the first evaluation, which would look like a stall otherwise
+    assert ("compiling the training step (RF-DETR nano, 64 px, 8 images a step over 4 CPU device(s), fp32) before "
+            "step 1: 1-4 min" in proc.stderr), proc.stderr[-3000:]
+    assert "evaluating at step 1 (the first evaluation compiles the eval program" in proc.stdout
+    assert "evaluation: 40 valid images every 1 steps and at the end (4 evaluations" in proc.stderr
 
 
 @pytest.mark.slow

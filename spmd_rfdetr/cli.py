@@ -231,6 +231,8 @@ def predict(
     checkpoint: str,
     images: str,
     output: str,
+    threshold: float | None = None,
+    save_images: str | None = None,
     model: ModelOptions = ModelOptions(),
     data: DataOptions = DataOptions(),
     optim: OptimOptions = OptimOptions(),
@@ -247,22 +249,30 @@ def predict(
         checkpoint: A weight file written by ``fit``, an rfdetr checkpoint or a ``{"model": state_dict}`` file.
         images: Folder of images (jpg/png/...); ids come from its ``_annotations.coco.json`` if present, else from
             the sorted file order (listed in ``<output stem>.images.json``).
-        output: COCO results file to write: ``[{"image_id", "category_id", "bbox": [x, y, w, h], "score"}]``.
+        output: COCO results file to write: ``[{"image_id", "category_id", "category_name", "bbox": [x, y, w, h],
+            "score"}]`` (+ ``segmentation`` for seg models, ``keypoints`` for the keypoint model).
+        threshold: Keep the detections scoring >= this, in [0, 1] (rfdetr draws at 0.5); default: all
+            ``eval.num_select`` per image, for COCO scoring.
+        save_images: Folder for each image with its detections drawn by supervision (boxes, "name score" labels,
+            masks, keypoints and the dataset's skeleton), same file names; drawn at ``--threshold``, else at 0.5.
         model: Which RF-DETR to build, for checkpoints that do not record it (a ``fit`` checkpoint's wins).
-        data: ``dataset_dir`` gives the category ids (its train split's label mapping); batch size.
+        data: ``dataset_dir`` gives the category ids and names (its train split's label mapping); batch size.
         optim: Unused (accepted so a training config can be passed as is).
         mesh: The device mesh.
         trainer: ``precision`` is used for the forward.
         eval: Eval batch size and detections per image.
         checkpointing: Unused (accepted so a training config can be passed as is).
     """
+    from spmd_rfdetr.eval.draw import check_options  # lazy: a verb imports what it runs (this one: no XLA)
+
+    check_options(threshold, save_images, images)  # before the device starts
     choose_device(mesh)  # before eval.inference: its modules import rfdetr, which starts torch_xla
     from spmd_rfdetr.eval import inference  # lazy: a verb imports what it runs, after the device choice
 
     cfg = RunConfig(
         model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing
     )
-    return inference.predict(cfg, checkpoint, images, output)
+    return inference.predict(cfg, checkpoint, images, output, threshold, save_images)
 
 
 def export(

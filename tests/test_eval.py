@@ -9,6 +9,7 @@ padded-split test).
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from spmd_rfdetr.eval import evaluator as ev
 from spmd_rfdetr.eval.coco import BOXES, SCORE
 from spmd_rfdetr.model.inputs import as_samples
 
+from support.drawing import check_drawing
 from support.models import EVAL_EVERY
 from support.runs import read_metrics
 
@@ -257,10 +259,11 @@ def test_map_equals_pycocotools_on_the_detections_json(first_eval, synth_dir, tm
     assert saved["stats"] == result.metrics.stats and "AR500" in saved["stats"]
 
 
-def test_validate_and_predict_cli_match_eval(fit_run, synth_dir, tmp_path):
+def test_validate_and_predict_cli_match_eval(fit_run, synth_dir, tmp_path, caplog):
     """The user's flow: the run's last.pth alone, then `validate` and `predict` (in this process), predict on a plain
     folder and on a split folder with annotations. No --config: the tiny architecture (not rfdetr's Nano default),
-    dataset and batch size come from the checkpoint."""
+    dataset and batch size come from the checkpoint. Each detection names its dataset category; ``--threshold``
+    keeps those scoring at least it, ``--save_images`` draws them (at 0.5 without a threshold, the JSON keeping all)."""
     from spmd_rfdetr.cli import main
 
     checkpoint = fit_run / "last.pth"
@@ -282,19 +285,42 @@ def test_validate_and_predict_cli_match_eval(fit_run, synth_dir, tmp_path):
     assert sorted(listed.values()) == names
     for image_id, name in listed.items():
         assert_same_detections(predictions, image_id, eval_detections, gt_ids[name], name)
+    categories = {c["id"]: c["name"] for c in
+                  json.loads((Path(synth_dir) / "valid" / "_annotations.coco.json").read_text())["categories"]}
+    assert all(d["category_name"] == categories[d["category_id"]] for d in predictions)  # the dataset's names
+    assert {d["category_name"] for d in predictions} == {"rectangle", "ellipse", "triangle"}
+
+    # --threshold and --save_images on the same program (no new compile): the detections scoring >= T, drawn
+    scores = sorted((d["score"] for d in predictions), reverse=True)
+    threshold = (scores[3] + scores[4]) / 2  # a few boxes over the 5 images, some images with none
+    main(["predict", "--checkpoint", str(checkpoint), "--images", str(folder), "--output", str(tmp_path / "kept.json"),
+          "--threshold", repr(threshold), "--save_images", str(tmp_path / "drawn")])
+    kept = json.loads((tmp_path / "kept.json").read_text())
+    above = [d for d in predictions if d["score"] >= threshold]
+    assert all(d["score"] >= threshold for d in kept) and len(kept) == len(above) >= 4, (len(kept), len(above))
+    key = lambda d: (d["image_id"], d["category_id"], d["category_name"], round(d["score"], 5))  # noqa: E731
+    assert sorted(map(key, kept)) == sorted(map(key, above))
+    assert sorted(p.name for p in (tmp_path / "drawn").iterdir()) == names
+    far = [check_drawing(folder / name, tmp_path / "drawn" / name, [d for d in kept if d["image_id"] == image_id])
+           for image_id, name in listed.items()]
+    assert sum(f["far"] for f in far) > 0.3 * 5 * 160 * 160, far  # most pixels checked unchanged
 
     # the whole valid split folder, its annotation file giving ids unlike the sorted positions: predictions carry the
     # file's ids, and each image's detections are the eval's for that file
     from test_data_paths import relabelled_split
 
     ids = relabelled_split(Path(synth_dir) / "valid", tmp_path / "split")
-    main(["predict", "--checkpoint", str(checkpoint), "--images", str(tmp_path / "split"), "--output",
-          str(tmp_path / "split.json")])
+    with caplog.at_level(logging.INFO, logger="spmd_rfdetr.eval.inference"):  # --save_images alone: drawn at 0.5
+        main(["predict", "--checkpoint", str(checkpoint), "--images", str(tmp_path / "split"), "--output",
+              str(tmp_path / "split.json"), "--save_images", str(tmp_path / "split_drawn")])
+    assert "--save_images without --threshold: drawing the detections scoring >= 0.5" in caplog.text
     predictions = json.loads((tmp_path / "split.json").read_text())
     assert {im["file_name"]: im["id"] for im in json.loads((tmp_path / "split.images.json").read_text())} == ids
     assert {d["image_id"] for d in predictions} == set(ids.values())
-    for name, image_id in ids.items():
+    for name, image_id in ids.items():  # the JSON keeps every detection
         assert_same_detections(predictions, image_id, eval_detections, gt_ids[name], name)
+        check_drawing(tmp_path / "split" / name, tmp_path / "split_drawn" / name,
+                      [d for d in predictions if d["image_id"] == image_id and d["score"] >= 0.5])
 
 
 def assert_same_detections(predictions: list, image_id: int, eval_detections: list, eval_id: int, name: str) -> None:

@@ -16,6 +16,7 @@ import torch
 from spmd_rfdetr.config.options import RunConfig, is_keypoint
 from spmd_rfdetr.config.resolve import resolve_and_check
 from spmd_rfdetr.data.check import check_data
+from spmd_rfdetr.eval import draw
 from spmd_rfdetr.eval.coco import label2cat_for
 from spmd_rfdetr.xla import hosts
 from spmd_rfdetr.eval.evaluator import (
@@ -85,15 +86,19 @@ def evaluate_checkpoint(cfg: RunConfig, checkpoint: str, output_dir: str | None 
     return result
 
 
-def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
+def predict(cfg: RunConfig, checkpoint: str, images: str, output: str, threshold: float | None = None,
+            save_images: str | None = None) -> Path:
     """Detect on every image of the folder ``images``; writes COCO results to ``output`` (+ ``.images.json``).
 
     Category ids are the dataset's (``data.dataset_dir``'s train split label mapping, as in training; a YOLO
-    dataset's class index); boxes are ``[x, y, w, h]`` in pixels of each original image; ``num_select`` detections
-    per image, no score threshold; a seg model's detections also carry their mask as a COCO RLE ``segmentation`` at
-    the image's size, the keypoint model's their ``keypoints`` (COCO's flat ``x, y, confidence`` per keypoint of the
-    class, pixels; scores fused as rfdetr's).
+    dataset's class index) and each detection's ``category_name`` its name there; boxes are ``[x, y, w, h]`` in
+    pixels of each original image; ``num_select`` detections per image, those scoring >= ``threshold`` when given; a
+    seg model's detections also carry their mask as a COCO RLE ``segmentation`` at the image's size, the keypoint
+    model's their ``keypoints`` (COCO's flat ``x, y, confidence`` per keypoint of the class, pixels; scores fused as
+    rfdetr's). ``save_images``: a folder for each image with its detections drawn (:mod:`spmd_rfdetr.eval.draw`;
+    at ``threshold``, else at :data:`~spmd_rfdetr.eval.draw.DRAW_THRESHOLD`).
     """
+    draw.check_options(threshold, save_images, images)  # before anything compiles
     cfg, fabric, cfgs, net = load_for_inference(cfg, checkpoint)
     check_data(cfg, [], images=images)  # every image of the folder readable, before the eval program compiles
     # lazy: data.pixels imports rfdetr (torch_xla): after load_for_inference chose the device
@@ -121,10 +126,52 @@ def predict(cfg: RunConfig, checkpoint: str, images: str, output: str) -> Path:
         counts = {label2cat.get(label, label) if label2cat else label: n for label, n in enumerate(keypoints) if n}
         for result, points in zip(results, found.keypoint_results(label2cat, counts), strict=True):
             result["keypoints"] = points["keypoints"]
+    names = category_names(cfg.data.dataset_dir, checkpoint if label2cat is None else None, label2cat)
+    for result in results:
+        result["category_name"] = names.get(result["category_id"], str(result["category_id"]))
+    everything = len(results)
+    if threshold is not None:
+        results = [r for r in results if r["score"] >= threshold]
     out = Path(output)
     if hosts.is_coordinator():  # several hosts hold the same global detections: host 0 writes them
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results))
         out.with_suffix(".images.json").write_text(json.dumps(folder.images_json()))
-    print(f"predict: {len(folder)} images, {len(results)} detections -> {out}", flush=True)
+    kept = f" ({len(results)} of {everything} score >= {threshold})" if threshold is not None else ""
+    print(f"predict: {len(folder)} images, {len(results)} detections{kept} -> {out}", flush=True)
+    if save_images is not None and hosts.is_coordinator():
+        at = draw.DRAW_THRESHOLD if threshold is None else threshold
+        if threshold is None:
+            log.info("--save_images without --threshold: drawing the detections scoring >= %s (%s keeps all of them)",
+                     at, out.name)
+        skeleton = draw.skeletons(_coco_categories(cfg.data.dataset_dir))
+        written = draw.save_drawings(results, images, dict(zip(folder.ids, folder.files)), save_images, at, skeleton)
+        print(f"predict: {len(written)} images drawn at score >= {at} -> {save_images}", flush=True)
     return out
+
+
+def _coco_categories(dataset_dir: str) -> list[dict[str, Any]]:
+    """The categories of the dataset's ``train/_annotations.coco.json`` (none when it has no readable one)."""
+    path = Path(dataset_dir) / "train" / "_annotations.coco.json"
+    try:
+        return list(json.loads(path.read_text()).get("categories", []))
+    except (OSError, ValueError, AttributeError):
+        return []
+
+
+def category_names(dataset_dir: str, checkpoint: str | None, label2cat: dict[int, int] | None) -> dict[int, str]:
+    """``category_id`` -> name: the COCO dataset's category names (``label2cat`` given), else a YOLO dataset's class
+    names by index, else the weight file's ``class_names`` by training label (``checkpoint``), else none."""
+    if label2cat is not None:
+        return {int(c["id"]): str(c["name"]) for c in _coco_categories(dataset_dir) if "id" in c and "name" in c}
+    # lazy: rfdetr imports torch_xla (load_for_inference chose the device before this runs)
+    from rfdetr.datasets.yolo import _extract_yolo_class_names, find_yolo_data_file
+
+    data_file = find_yolo_data_file(dataset_dir) if Path(dataset_dir).is_dir() else None
+    if data_file is not None:
+        try:
+            return dict(enumerate(_extract_yolo_class_names(str(data_file))))
+        except (OSError, ValueError, TypeError):
+            pass
+    names = read_weights(checkpoint).class_names if checkpoint is not None else None
+    return dict(enumerate(names or []))

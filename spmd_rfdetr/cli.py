@@ -16,7 +16,7 @@ import sys
 import traceback
 from argparse import ArgumentError
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from jsonargparse import CLI, ActionConfigFile, ArgumentParser, set_parsing_settings
 
@@ -35,9 +35,12 @@ from spmd_rfdetr.config.options import (
     MeshOptions,
     ModelOptions,
     OptimOptions,
+    Precision,
     RunConfig,
     TrainerOptions,
 )
+from spmd_rfdetr.config.recipes import listing as recipe_listing
+from spmd_rfdetr.config.recipes import with_recipe_paths
 from spmd_rfdetr.config.resolve import resolve_and_check
 from spmd_rfdetr.data.check_report import DataError
 from spmd_rfdetr.data.synth import synth
@@ -79,8 +82,10 @@ def check_data(
     eval: EvalOptions = EvalOptions(),
     checkpointing: CheckpointOptions = CheckpointOptions(),
 ) -> None:
-    """Check the config and the dataset splits ``fit`` would read (train, and eval.split when fit evaluates),
-    without starting XLA: every problem at once, each with its file, annotation and fix (what ``fit`` checks first).
+    """Check the config and the dataset without starting XLA: every problem at once, each with its fix.
+
+    Reads the splits ``fit`` would read (train, and ``eval.split`` when ``fit`` evaluates): each problem with its
+    file, annotation and fix (what ``fit`` checks first).
 
     Args:
         model: Which RF-DETR (resolution and query rules; ``num_classes`` bounds the labels).
@@ -109,9 +114,10 @@ def plan(
     checkpointing: CheckpointOptions = CheckpointOptions(),
     variants: list[str] | None = None,
 ) -> None:
-    """Print the bytes per device of parameters, gradients, AdamW state and the EMA copy for each RF-DETR variant on
-    the mesh ``--mesh.data x --mesh.fsdp`` (the sharding rules ``fit`` applies), without a device: pick a mesh before
-    renting one. Activations are not included.
+    """Print each RF-DETR variant's weight, gradient, AdamW and EMA bytes per device on a mesh, without a device.
+
+    The mesh is ``--mesh.data x --mesh.fsdp`` with the sharding rules ``fit`` applies: pick a mesh before renting
+    one. Activations are not included (``aot`` compiles the whole step for a TPU).
 
     Args:
         model: ``num_classes`` sizes the class head (default: rfdetr's); each variant is built at its own defaults.
@@ -149,9 +155,11 @@ def aot(
     eval: EvalOptions = EvalOptions(),
     checkpointing: CheckpointOptions = CheckpointOptions(),
 ) -> None:
-    """Compile the programs ``fit`` runs (the training step for each batch shape, the eval forward) for a TPU topology
-    with the real TPU compiler (libtpu, the ``aot`` extra), on this machine: no TPU needed. Prints per program whether
-    it fits, HBM per chip, FLOPs and bytes per step, a roofline time, collectives and compile time.
+    """Compile the programs ``fit`` runs for a TPU topology with the TPU compiler (libtpu), here: no TPU needed.
+
+    The programs are the training step for each batch shape and the eval forward; libtpu comes with the ``aot``
+    extra. Prints per program whether it fits, HBM per chip, FLOPs and bytes per step, a roofline time, collectives
+    and compile time.
 
     Args:
         topology: TPU slice, ``<chip>:<shape>`` (``v5e:1x1``, ``v5e:2x4``, ``v6e:2x4``, ``v4:2x2x1``, ``v5p:2x2x1``,
@@ -159,7 +167,7 @@ def aot(
         json: Also write the whole report (per program: memory, cost, collectives, largest byte movers) here.
         max_batch: Search ``data.per_device_batch_size`` for the largest training step that compiles (one compile
             per probe), and the largest that leaves ``headroom`` of HBM free.
-        headroom: Fraction of HBM a recipe should leave free (``--max-batch``).
+        headroom: Fraction of HBM a recipe should leave free (``--max_batch``).
         keep: Keep the HLO modules and the compiler's results in this directory (default: a temporary one).
         hbm_only: Compile with no buffer in the chip's on-chip memory (libtpu's VMEM assignment off), so that
             "bytes accessed" counts HBM traffic only: an upper bound on what the normal program moves through HBM
@@ -189,18 +197,34 @@ def aot(
               f"with {found['headroom']:.0%} of HBM free: {found['largest_with_headroom']}", flush=True)
 
 
+#: A training config's section that ``validate`` and ``predict`` accept (so a recipe passes as is) and do not read,
+#: beyond ``trainer.precision``; their help shows it as one line, not every training option.
+TrainingSection = dict[str, Any] | None
+
+
+def _inference_run(model: ModelOptions, data: DataOptions, mesh: MeshOptions, eval: EvalOptions,
+                   precision: Precision | None, trainer: TrainingSection) -> RunConfig:
+    """The run config of ``validate``/``predict``: their own sections, ``precision`` (else a passed training config's
+    ``trainer.precision``), the training-only sections at their defaults."""
+    precision = precision or (trainer or {}).get("precision") or TrainerOptions.precision
+    if precision not in get_args(Precision):
+        raise ConfigError(f"trainer.precision={precision!r}: use one of {', '.join(get_args(Precision))}")
+    return RunConfig(model=model, data=data, mesh=mesh, eval=eval, trainer=TrainerOptions(precision=precision))
+
+
 def validate(
     checkpoint: str,
     output_dir: str | None = None,
+    precision: Precision | None = None,
     model: ModelOptions = ModelOptions(),
     data: DataOptions = DataOptions(),
-    optim: OptimOptions = OptimOptions(),
     mesh: MeshOptions = MeshOptions(),
-    trainer: TrainerOptions = TrainerOptions(),
     eval: EvalOptions = EvalOptions(),
-    checkpointing: CheckpointOptions = CheckpointOptions(),
+    trainer: TrainingSection = None,
+    optim: TrainingSection = None,
+    checkpointing: TrainingSection = None,
 ) -> dict[str, float]:
-    """COCO-evaluate a checkpoint on a dataset split on the mesh (one compiled eval graph, pycocotools COCOeval).
+    """COCO-evaluate a checkpoint on a dataset split on the mesh (one compiled eval program, pycocotools).
 
     A ``fit`` checkpoint carries its config: the architecture is always the checkpoint's, and its dataset, batch
     sizes, precision and eval settings are the defaults that options given here (other than their defaults) replace.
@@ -210,20 +234,20 @@ def validate(
             (``{"model", "args"}``) or a ``{"model": state_dict}`` file.
         output_dir: Where ``coco_eval.json`` (summary + per-class AP) and ``detections.json`` go; default
             ``<checkpoint dir>/eval_<checkpoint stem>_<split>``.
+        precision: ``bf16`` or ``fp32`` for the forward; default: a ``--config``'s ``trainer.precision``, else the
+            checkpoint's.
         model: Which RF-DETR to build, for checkpoints that do not record it (a ``fit`` checkpoint's wins).
         data: Dataset (``dataset_dir``) and batch size.
-        optim: Unused (accepted so a training config can be passed as is).
         mesh: The device mesh.
-        trainer: ``precision`` is used for the forward.
         eval: Split, eval batch size and detections per image.
-        checkpointing: Unused (accepted so a training config can be passed as is).
+        trainer: A training config's section, accepted so a recipe can be passed as is (only ``precision`` read).
+        optim: A training config's section, accepted and not read.
+        checkpointing: A training config's section, accepted and not read.
     """
+    cfg = _inference_run(model, data, mesh, eval, precision, trainer)
     choose_device(mesh)  # before eval.inference: its modules import rfdetr, which starts torch_xla
     from spmd_rfdetr.eval import inference  # lazy: a verb imports what it runs, after the device choice
 
-    cfg = RunConfig(
-        model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing
-    )
     return inference.evaluate_checkpoint(cfg, checkpoint, output_dir).record()
 
 
@@ -233,17 +257,19 @@ def predict(
     output: str,
     threshold: float | None = None,
     save_images: str | None = None,
+    precision: Precision | None = None,
     model: ModelOptions = ModelOptions(),
     data: DataOptions = DataOptions(),
-    optim: OptimOptions = OptimOptions(),
     mesh: MeshOptions = MeshOptions(),
-    trainer: TrainerOptions = TrainerOptions(),
     eval: EvalOptions = EvalOptions(),
-    checkpointing: CheckpointOptions = CheckpointOptions(),
+    trainer: TrainingSection = None,
+    optim: TrainingSection = None,
+    checkpointing: TrainingSection = None,
 ) -> Path:
-    """Detect objects in every image of a folder on the mesh and write COCO results JSON.
+    """Detect objects in every image of a folder on the mesh: COCO results JSON, and the images drawn.
 
-    The architecture, dataset (for category ids) and batch sizes come from a ``fit`` checkpoint as for ``validate``.
+    The architecture, dataset (for category ids and names) and batch sizes come from a ``fit`` checkpoint as for
+    ``validate``.
 
     Args:
         checkpoint: A weight file written by ``fit``, an rfdetr checkpoint or a ``{"model": state_dict}`` file.
@@ -255,23 +281,23 @@ def predict(
             ``eval.num_select`` per image, for COCO scoring.
         save_images: Folder for each image with its detections drawn by supervision (boxes, "name score" labels,
             masks, keypoints and the dataset's skeleton), same file names; drawn at ``--threshold``, else at 0.5.
+        precision: ``bf16`` or ``fp32`` for the forward; default: a ``--config``'s ``trainer.precision``, else the
+            checkpoint's.
         model: Which RF-DETR to build, for checkpoints that do not record it (a ``fit`` checkpoint's wins).
         data: ``dataset_dir`` gives the category ids and names (its train split's label mapping); batch size.
-        optim: Unused (accepted so a training config can be passed as is).
         mesh: The device mesh.
-        trainer: ``precision`` is used for the forward.
         eval: Eval batch size and detections per image.
-        checkpointing: Unused (accepted so a training config can be passed as is).
+        trainer: A training config's section, accepted so a recipe can be passed as is (only ``precision`` read).
+        optim: A training config's section, accepted and not read.
+        checkpointing: A training config's section, accepted and not read.
     """
     from spmd_rfdetr.eval.draw import check_options  # lazy: a verb imports what it runs (this one: no XLA)
 
     check_options(threshold, save_images, images)  # before the device starts
+    cfg = _inference_run(model, data, mesh, eval, precision, trainer)
     choose_device(mesh)  # before eval.inference: its modules import rfdetr, which starts torch_xla
     from spmd_rfdetr.eval import inference  # lazy: a verb imports what it runs, after the device choice
 
-    cfg = RunConfig(
-        model=model, data=data, optim=optim, mesh=mesh, trainer=trainer, eval=eval, checkpointing=checkpointing
-    )
     return inference.predict(cfg, checkpoint, images, output, threshold, save_images)
 
 
@@ -284,7 +310,9 @@ def export(
     opset_version: int = 17,
     model: ModelOptions = ModelOptions(),
 ) -> Path:
-    """Export a checkpoint with upstream rfdetr's own exporter (``RFDETR.export``), on the CPU (no XLA).
+    """Export a checkpoint with rfdetr's own exporter (ONNX and rfdetr's other formats), on the CPU.
+
+    Runs upstream's ``RFDETR.export`` on the checkpoint's weights (no XLA).
 
     Exits with status 2 and names the pip extra to install when the format's optional dependencies are missing.
 
@@ -310,9 +338,19 @@ def export(
         raise SystemExit(2) from None
 
 
+def recipes() -> None:
+    """List the shipped recipes (``fit --config NAME`` reads one from any directory), with what each trains.
+
+    A recipe is a YAML config for one kind of hardware (mesh, per-chip batch, precision, resolution, epochs,
+    evaluation, LR); options after ``--config`` override it, and a copy you edit works as ``--config my.yaml``.
+    """
+    print(recipe_listing(), flush=True)
+
+
 #: Errors the user fixes in the config, the data or a path: one message and exit status 2.
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError, ArgumentError)
 DEBUG_ENV = "SPMD_RFDETR_DEBUG"
+PROG = "python -m spmd_rfdetr"
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 
@@ -324,13 +362,21 @@ class _Parser(ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
+def _underscored(arg: str) -> str:
+    """``--max-batch`` as ``--max_batch``: every option is spelled with underscores, and a dash is read as one."""
+    if not arg.startswith("--"):
+        return arg
+    name, sep, value = arg.partition("=")
+    return "--" + name[2:].replace("-", "_") + sep + value
+
+
 def run_config(args: list[str]) -> RunConfig:
     """``fit``'s options (``--config`` YAML, ``--section.field=value``) read by the parser the CLI builds from
     :func:`fit`'s signature, without running it: what :func:`spmd_rfdetr.train` runs. Raises ``ArgumentError``."""
     parser = _Parser()
     parser.add_argument("--config", action=ActionConfigFile)
     parser.add_function_arguments(fit, as_positional=False)
-    parsed = parser.instantiate_classes(parser.parse_args(args))
+    parsed = parser.instantiate_classes(parser.parse_args(with_recipe_paths(args)))
     return RunConfig(**{f.name: parsed[f.name] for f in dataclasses.fields(RunConfig)})
 
 
@@ -342,15 +388,18 @@ def main(args: list[str] | None = None) -> None:
     argv = [a for a in argv if a not in ("--debug", "--verbose")]
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     verbs = {"fit": fit, "check-data": check_data, "validate": validate, "predict": predict, "export": export,
-             "synth": synth, "plan": plan, "aot": aot}
+             "synth": synth, "plan": plan, "aot": aot, "recipes": recipes}
     try:
-        CLI(verbs, args=argv, as_positional=False, parser_class=_Parser)
+        argv = with_recipe_paths([_underscored(a) for a in argv])  # a shipped recipe by name, from any directory
+        CLI(verbs, args=argv, as_positional=False, parser_class=_Parser, prog=PROG,
+            description="Train RF-DETR on TPUs: one process drives the whole SPMD device mesh. "
+                        f"`{PROG} VERB --help` documents each verb; `{PROG} recipes` lists the shipped recipes.")
         hosts.leave_hosts()  # several hosts: leave the gloo group together (gloo may abort at exit otherwise)
     except USER_ERRORS as error:
         if debug:
             traceback.print_exc()
         verb = next((a for a in argv if a in verbs), "")
-        help_hint = f"python -m spmd_rfdetr {verb} --help".replace("  ", " ")
+        help_hint = f"{PROG} {verb} --help".replace("  ", " ")
         print(f"error: {error}\n({help_hint} lists the options; --debug shows the traceback)", file=sys.stderr)
         raise SystemExit(2) from None
     except DoesNotFit as error:  # the TPU compiler's verdict on the config: the user lowers the batch

@@ -60,6 +60,26 @@ def test_repeated_configs_and_dotted_overrides(tmp_path: Path, capsys: pytest.Ca
     assert printed["model"]["resolution"] == 384  # untouched by the override
 
 
+def test_every_verbs_description_is_whole_and_predict_shows_its_own_options(capsys) -> None:
+    """The verb list a newcomer reads first: each description a whole sentence (its first docstring line), usage
+    named as it is run; ``predict``/``validate`` list their own options first and no training-only option."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert text.startswith("usage: python -m spmd_rfdetr ")
+    listing = text.split("Available subcommands:", 1)[1]
+    entries = re.findall(r"^    (\S+)\s+(.*?)(?=^    \S|\Z)", listing, flags=re.M | re.S)
+    verbs = {verb: " ".join(line.strip() for line in rest.splitlines()) for verb, rest in entries if verb != "(required)"}
+    assert {"fit", "check-data", "validate", "predict", "export", "synth", "plan", "aot", "recipes"} <= set(verbs)
+    assert all(description.endswith(".") for description in verbs.values()), verbs
+    for verb, own in (("predict", "--threshold"), ("validate", "--output_dir")):
+        with pytest.raises(SystemExit):
+            main([verb, "--help"])
+        help_text = capsys.readouterr().out
+        assert help_text.index(own) < help_text.index("--model.variant"), verb
+        assert "--optim.lr" not in help_text and "--trainer.max_steps" not in help_text, verb
+
+
 @pytest.mark.slow
 def test_help_documents_every_option() -> None:
     result = run_cli("fit", "--help")

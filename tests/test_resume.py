@@ -222,7 +222,8 @@ def test_a_nan_step_stops_fit_or_is_skipped(tiny, synth_dir: str, loop_run: Path
     """A real NaN batch at step 5 of the loop fit's config (its graphs are compiled already, in this process):
     ``stop`` ends the run there, naming the step, with the step-4 checkpoint finite and no last.pth; ``skip_step``
     trains on with exactly one skipped step and finite weights, until a real SIGTERM after step 8 stops it (it
-    finishes the step in flight and saves a finite training state: the run need not go to its end to show it)."""
+    finishes the step in flight and saves a finite training state), then resumed with ``stop``: the restored count of
+    non-finite steps is not reported again, and the run trains to its end."""
     from support.models import loop_config, read_training_checkpoint
     from spmd_rfdetr.training import loop
     from spmd_rfdetr.xla.loader import NAN_BATCH_ENV
@@ -251,6 +252,15 @@ def test_a_nan_step_stops_fit_or_is_skipped(tiny, synth_dir: str, loop_run: Path
     assert records[4]["loss"] != records[4]["loss"] and all(r["loss"] == r["loss"] for i, r in enumerate(records) if i != 4)
     host = read_training_checkpoint(saved)
     assert all(torch.isfinite(t).all() for k, t in host.items() if k.startswith(("model.", "ema.")))
+
+    # resumed with on_nonfinite: stop: the step-5 NaN is the checkpoint's, already reported (its count is restored
+    # with the device counter), so the resumed run trains to the end (before, it stopped at its first log point)
+    monkeypatch.delenv(NAN_BATCH_ENV)  # (it counts the process's batches: a resume would meet a new NaN at its 5th)
+    cfg.trainer.on_nonfinite, cfg.trainer.resume = "stop", "auto"
+    assert loop.fit(cfg) == out / "last.pth"
+    resumed = read_metrics(out)[stopped:]
+    assert [r["step"] for r in resumed] == list(range(stopped + 1, LOOP_STEPS + 1))
+    assert all(r["nonfinite_steps"] == 1 and r["first_nonfinite_step"] == 5 for r in resumed), resumed[0]
 
 
 @pytest.mark.slow

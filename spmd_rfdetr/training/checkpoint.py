@@ -6,6 +6,10 @@
   it, and loaded back in place into tensors of the same sharding), plus ``meta.json`` (step, data position, best mAP,
   config). Written under a temporary name and published by renaming the directory, so a save killed half way never
   hides the previous checkpoint: :func:`latest` skips the leftover with a warning.
+- **Lineage**: a run that starts at step ``s`` (fresh: 0; resumed from an older checkpoint: a rollback) trains a new
+  branch. The checkpoints and weight files of later steps, the abandoned branch's, are moved aside into
+  ``checkpoints/abandoned/`` (:func:`set_aside_later`, named in a warning), so pruning and ``--trainer.resume auto``
+  see the branch being trained only, and the newest save (a SIGTERM's) is never pruned.
 - **Weights** (``last.pth``, ``best.pth``): ``torch.load``-able dicts ``{"model": state_dict, "config", "step",
   "class_names"}`` whose ``model`` is what was evaluated (the EMA weights when EMA is on, as rfdetr's best-total
   checkpoint), plus ``"ema": {"decay", "tau", "updates"}`` then.
@@ -38,6 +42,10 @@ from spmd_rfdetr.xla.replay import replicate_unannotated
 log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
+#: Where :func:`set_aside_later` moves an abandoned branch's checkpoints and weight files (inside ``checkpoints/``).
+ABANDONED = "abandoned"
+#: The weight files a run writes in its output directory (each records the step of its weights).
+WEIGHT_FILES = ("last.pth", "best.pth")
 _NAME = re.compile(r"^step_(\d{8})$")
 _META = "meta.json"
 #: A save slower than this warns: a spot VM's preemption notice is about 30 s.
@@ -96,7 +104,8 @@ def save(output_dir: str | Path, step: int, state: dict[str, torch.Tensor], meta
                         "on SIGTERM may not finish. Save to a faster disk (trainer.output_dir) or shard the weights "
                         "(mesh.fsdp).", took, SLOW_SAVE_S)
         for old in sorted(complete(root))[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            if old != final:  # the save just made is kept whatever keep says (e.g. a SIGTERM's)
+                shutil.rmtree(old, ignore_errors=True)
     hosts.barrier()
     return final
 
@@ -135,9 +144,43 @@ def latest(output_dir: str | Path) -> Path | None:
         return None
     good = complete(root)
     for entry in sorted(root.iterdir()):
-        if entry not in good:
+        if entry not in good and entry.name != ABANDONED:
             log.warning("skipping %s: an interrupted or incomplete checkpoint save (safe to delete)", entry)
     return good[-1] if good else None
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's ``meta.json`` (its step, the evaluation's counts, the config), without loading any tensor."""
+    return json.loads((Path(path) / _META).read_text())
+
+
+def weight_file_step(path: Path) -> int | None:
+    """The step of the weights in a weight file (``None``: no such file, or one without a step)."""
+    if not path.is_file():
+        return None
+    step = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("step")
+    return int(step) if step is not None else None
+
+
+def set_aside_later(output_dir: str | Path, step: int) -> Path | None:
+    """Move the checkpoints and weight files of steps after ``step`` (an abandoned branch: a rollback, or a fresh
+    start in a used ``output_dir``) into ``checkpoints/abandoned/<time>-from-step_<step>/``; returns that folder
+    (``None``: nothing was later). Host 0 moves them; every host waits for it."""
+    root, out = Path(output_dir) / CHECKPOINTS, Path(output_dir)
+    aside = root / ABANDONED / f"{time.strftime('%Y%m%d-%H%M%S')}-from-step_{step:08d}"
+    if hosts.is_coordinator():
+        later = [p for p in complete(root) if int(p.name.split("_")[1]) > step]
+        later += [out / name for name in WEIGHT_FILES if (weight_file_step(out / name) or -1) > step]
+        if later:
+            aside.mkdir(parents=True, exist_ok=True)
+            for path in later:
+                os.replace(path, aside / path.name)
+            log.warning("this run trains from step %d: %s of a later step (an abandoned branch: a rollback, or an "
+                        "earlier run in this output_dir) moved to %s, so that --trainer.resume auto continues this "
+                        "run; delete that folder when you no longer need it", step,
+                        ", ".join(p.name for p in later), aside)
+    hosts.barrier()
+    return aside if aside.is_dir() else None
 
 
 def load(path: str | Path, state: dict[str, torch.Tensor]) -> dict[str, Any]:

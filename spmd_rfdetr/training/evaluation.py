@@ -70,6 +70,9 @@ class FitEvaluation:
     """``eval.early_stopping_use_ema``: with :attr:`raw_model`, watch the EMA's mAP alone, not the better of the two."""
     metric: str = "eval/mAP"
     """The mAP ``best.pth`` and early stopping follow (:func:`best_metric`)."""
+    evaluated_step: int = 0
+    """The step of the latest evaluation (0: none yet): a checkpoint of a step it differs from was saved before its
+    evaluation (a SIGTERM at an evaluation step)."""
 
     @property
     def watched(self) -> str:
@@ -101,11 +104,12 @@ class FitEvaluation:
 
     def state(self) -> dict[str, float]:
         """What a checkpoint keeps so a resumed run continues the same counts."""
-        return {"best_map": self.best_map, "stopping_best": self.stopping_best, "stale": self.stale}
+        return {"best_map": self.best_map, "stopping_best": self.stopping_best, "stale": self.stale,
+                "evaluated_step": self.evaluated_step}
 
     def restore(self, meta: dict[str, Any]) -> None:
         """Continue from a checkpoint's :meth:`state` (keys missing in older checkpoints keep their defaults)."""
-        for key in ("best_map", "stopping_best", "stale"):
+        for key in ("best_map", "stopping_best", "stale", "evaluated_step"):
             if meta.get(key) is not None:
                 setattr(self, key, meta[key])
 
@@ -133,6 +137,7 @@ class FitEvaluation:
         self.update(record)
         record["eval/best_mAP"] = self.best_map
         self.history.append({"step": step, **record})
+        self.evaluated_step = step
         return record
 
 

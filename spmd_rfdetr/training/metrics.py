@@ -124,6 +124,21 @@ class MetricsLog:
             line = f"[{'#' * done}{'.' * (30 - done)}] " + line
         self._print(line)
 
+    def amend(self, step: int, values: dict[str, Any]) -> None:
+        """Merge ``values`` into the record of ``step`` (appended if there is none), and send them to the loggers."""
+        if self.writes_file:
+            records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()] \
+                if self.path.exists() else []
+            matching = [r for r in records if r["step"] == step]
+            for record in matching:
+                record.update(values)
+            if not matching:
+                records.append({"step": step, **values})
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        numeric = {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}
+        for logger in self.loggers:
+            logger.log_metrics(numeric, step=step)
+
     def close(self, status: str = "success") -> None:
         """Flush and close the extra loggers (``status``: ``success``, or ``failed`` when the run stops on an error)."""
         for logger in self.loggers:

@@ -12,7 +12,8 @@ from typing import Any
 from spmd_rfdetr.training import setup
 from spmd_rfdetr.training.build import build_trainer
 from spmd_rfdetr.training.evaluation import FitEvaluation
-from spmd_rfdetr.training.saver import Saver
+from spmd_rfdetr.training.metrics import xla_counters
+from spmd_rfdetr.training.saver import Saver, finished
 from spmd_rfdetr.training.steplog import StepLog
 from spmd_rfdetr.training.stops import Preemption
 from spmd_rfdetr.xla import hosts
@@ -24,15 +25,19 @@ def train(cfg: Any, preemption: Preemption, started: float) -> Path:
     """Train ``cfg`` to ``trainer.max_steps``; returns ``last.pth``, or the checkpoint SIGTERM saved."""
     run = setup.prepare(cfg)
     t = cfg.trainer
+    done = finished(run)
+    if done is not None:  # a relaunch of a finished run: nothing is built, nothing compiles
+        log.info("%s: this run is finished (%s holds its last step); nothing left to train (XLA compiled %d "
+                 "graph(s) in this process)", run.resume_from, done, xla_counters()["xla_compiles"])
+        return done
     trainer = build_trainer(run.fabric, run.build_cfgs, cfg.optim, t, ema=cfg.model, mesh=cfg.mesh)
     saver = Saver(run, trainer)
     start, meta = saver.resume()
-    if meta.get("early_stopped"):  # a relaunch (--trainer.resume auto) of a run that stopped early trains no more
-        log.info("%s: this run stopped early at step %d (early stopping); nothing left to train", run.resume_from,
-                 start)
-        return saver.weights("last.pth", start)
-    steplog = StepLog(run, trainer.step, preemption, start, started)
+    steplog = StepLog(run, trainer.step, preemption, start, started, meta)
+    saver.counters = steplog.state
     evaluation = setup.evaluation(run, trainer, meta)  # None when off
+    if start >= t.max_steps or meta.get("early_stopped"):
+        return _finish(run, start, meta, saver, evaluation, steplog)
     data = setup.train_data(run, trainer.step, start)
     log.info(_compile_notice(cfg, start))
     steplog.open(data)
@@ -61,6 +66,26 @@ def train(cfg: Any, preemption: Preemption, started: float) -> Path:
             return preemption.stopped(step, saved)
     steplog.close()
     return saver.last(last_step)
+
+
+def _finish(run: Any, start: int, meta: dict[str, Any], saver: Saver, evaluation: FitEvaluation | None,
+            steplog: StepLog) -> Path:
+    """A resumed run with no step left (a SIGTERM at its last step, early stopping, or ``trainer.max_steps`` now
+    below the checkpoint's step): the final evaluation if the checkpoint was saved before it, then ``last.pth`` with
+    the checkpoint's weights and step. No training step is built or compiled."""
+    t = run.cfg.trainer
+    if start > t.max_steps:
+        log.warning("the checkpoint %s is at step %d, past trainer.max_steps=%d: nothing to train; last.pth holds "
+                    "step %d's weights", run.resume_from, start, t.max_steps, start)
+    if evaluation is not None and not meta.get("early_stopped") and evaluation.evaluated_step != start:
+        log.info("step %d was saved before its evaluation (a SIGTERM at the last step): evaluating it now", start)
+        record: dict[str, Any] = {}
+        _evaluate(start, record, evaluation, saver)
+        steplog.amend(start, record)
+        saver.save(start, evaluation)  # the checkpoint now says it was evaluated: a relaunch finds the run finished
+    steplog.close()
+    log.info("%s: nothing left to train after step %d", run.resume_from, start)
+    return saver.last(start)
 
 
 #: What the first compile of the training step takes, by device type: what ``fit`` tells the user before it starts.

@@ -25,7 +25,8 @@ DATA_BOUND_SHARE = 0.10
 class StepLog:
     """The records of one run: each covers the steps since the previous log point (its window)."""
 
-    def __init__(self, run: Run, step_fn: TrainStep, preemption: Preemption, start: int, started: float) -> None:
+    def __init__(self, run: Run, step_fn: TrainStep, preemption: Preemption, start: int, started: float,
+                 meta: dict[str, Any] | None = None) -> None:
         t = run.cfg.trainer
         loggers: list[Any] = []
 
@@ -40,7 +41,15 @@ class StepLog:
                                   loggers=loggers)
         self.run, self.step_fn, self.preemption = run, step_fn, preemption
         self.start, self.started = start, started
-        self.nonfinite_seen = 0
+        self.nonfinite_seen = int((meta or {}).get("nonfinite_steps", 0))  # the resumed run's: the device counts on
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the records' counts (the non-finite steps already reported)."""
+        return {"nonfinite_steps": self.nonfinite_seen}
+
+    def amend(self, step: int, values: dict[str, Any]) -> None:
+        """Add ``values`` (a late evaluation's) to the record of ``step``."""
+        self.metrics.amend(step, values)
 
     def open(self, data: TrainData) -> None:
         """Start the first window, after start-up (runtime, data check, build, loader, bucket compiles); ``data``'s

@@ -324,3 +324,18 @@ def test_a_save_slower_than_the_preemption_notice_warns(tmp_path: Path, monkeypa
         checkpoint.save(tmp_path, 2, state, {}, keep=2)
     assert "more than 0.2 s: a preempted spot VM gets about 30 s of notice" in caplog.text, caplog.text
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
+
+
+def test_a_progress_line_says_the_time_left_and_amend_merges_into_its_step(tmp_path: Path, capsys) -> None:
+    """What a Colab cell or ``nohup`` log shows at each log point: the step, loss, images/s and (after the warm-up's
+    compiles) the time left at the window's pace; an evaluation made later (a relaunch) lands in its step's record."""
+    from spmd_rfdetr.training.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, max_steps=100, progress_bar=False)
+    for step in (1, 2, 10):
+        log.write({"step": step, "loss": 1.5, "images_per_sec": 8.0, "step_time_s": 2.0})
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
+    assert lines[0] == "step 1/100  loss 1.5000  8.0 img/s"  # step 1's window holds the compile: no estimate
+    assert lines[2] == "step 10/100  loss 1.5000  8.0 img/s  ETA 3m00s", lines
+    log.amend(10, {"eval/mAP": 0.25})
+    assert [(r["step"], r.get("eval/mAP")) for r in read_metrics(tmp_path)] == [(1, None), (2, None), (10, 0.25)]

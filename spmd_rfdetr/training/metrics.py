@@ -119,6 +119,8 @@ class MetricsLog:
             logger.log_metrics(numeric, step=record["step"])
         step = record["step"]
         line = f"step {step}/{self.max_steps}  loss {record['loss']:.4f}  {record['images_per_sec']:.1f} img/s"
+        if step < self.max_steps and step > self.warmup_steps:  # the warm-up's windows hold the compiles
+            line += f"  ETA {_duration((self.max_steps - step) * record['step_time_s'])}"
         if self.bar:
             done = int(30 * step / self.max_steps)
             line = f"[{'#' * done}{'.' * (30 - done)}] " + line
@@ -167,6 +169,13 @@ class MetricsLog:
     @staticmethod
     def _print(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
+
+
+def _duration(seconds: float) -> str:
+    """``1h02m``, ``3m05s`` or ``42s``: time left, as a progress line says it."""
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def build_loggers(names: Sequence[str], output_dir: str | Path, *, wandb_project: str = "spmd_rfdetr",

@@ -43,6 +43,9 @@ WARNINGS = (
     (UserWarning, "The function definition for SavePlanner.set_up_planner has been updated",
      r"torch\.distributed\.checkpoint\.state_dict_saver",
      "addressed to the planner's author: torch_xla 2.9's SPMDSavePlanner (checkpoint.py only subclasses it)"),
+    (Warning, "Converting a tensor to a Python ", r"(rfdetr|torch)(\.|$)",
+     "torch.jit's TracerWarning while rfdetr's exporter traces its model (export): the graph is traced at one input "
+     "shape, where the values read are constants; rfdetr's own export prints the same ~15 lines"),
 )
 
 #: rfdetr's log records (its ``rf-detr`` logger, rfdetr/models/backbone/dinov2.py) left out: (message start, why).

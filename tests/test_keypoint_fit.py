@@ -46,7 +46,8 @@ class KeypointRun:
     data: Path
     fit: subprocess.CompletedProcess
     predicted: Path
-    """``predict`` of ``last.pth`` on the valid split's images."""
+    """``predict`` of ``last.pth`` on the valid split's images (with ``--save_images`` :attr:`drawn`)."""
+    drawn: Path
     upstream: subprocess.CompletedProcess
     exported: subprocess.CompletedProcess
     """``export`` of ``last.pth`` to :attr:`onnx`, in its own process as a user runs it."""
@@ -71,10 +72,10 @@ def keypoint_run(inputs: JobInputs, base: Path) -> KeypointRun:
     config = base / "keypoints.yaml"
     config.write_text(yaml.safe_dump(cfg))
     fit = cli("fit", "--config", str(config), env=env)
-    predicted = base / "valid_predictions.json"
+    predicted, drawn = base / "valid_predictions.json", base / "drawn"
     if fit.returncode == 0:
         cli("predict", "--config", str(config), "--checkpoint", str(base / "run" / "last.pth"), "--images",
-            str(data / "valid"), "--output", str(predicted), env=env)
+            str(data / "valid"), "--output", str(predicted), "--save_images", str(drawn), env=env)
     images = sorted((data / "valid").glob("*.jpg"))[:4]
     no_xla = {k: v for k, v in inputs.env.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS")}
     upstream = subprocess.run([sys.executable, "-c", UPSTREAM_KEYPOINT_PREDICT, str(base / "run" / "last.pth"),
@@ -82,7 +83,7 @@ def keypoint_run(inputs: JobInputs, base: Path) -> KeypointRun:
                               capture_output=True, text=True, timeout=900)
     onnx = base / "keypoints.onnx"
     exported = cli("export", "--checkpoint", str(base / "run" / "last.pth"), "--output", str(onnx), env=env)
-    return KeypointRun(base / "run", data, fit, predicted, upstream, exported, onnx)
+    return KeypointRun(base / "run", data, fit, predicted, drawn, upstream, exported, onnx)
 
 
 def final_record(run: KeypointRun) -> dict:
@@ -213,10 +214,49 @@ def test_upstream_from_checkpoint_predicts_our_keypoints(keypoint_run: KeypointR
 @pytest.mark.slow
 def test_export_onnx_of_the_keypoint_model_runs_like_the_eager_model(keypoint_run: KeypointRun) -> None:
     """``export`` of ``last.pth`` through rfdetr's exporter: an ONNX graph with rfdetr's ``keypoints`` output (raw, of
-    the last layer), equal under onnxruntime to the eager model's boxes, logits and keypoints."""
+    the last layer), equal under onnxruntime to the eager model's boxes, logits and keypoints; the tracer's warnings
+    of rfdetr's export are left out, as every library warning that does not apply (``spmd_rfdetr.quiet``)."""
     pytest.importorskip("onnxruntime", reason="ONNX export needs rfdetr's onnx extra")
     from support.models import assert_onnx_runs_like_eager
 
     final_record(keypoint_run)
     assert keypoint_run.exported.returncode == 0, keypoint_run.exported.stderr[-3000:]
+    assert "Warning: " not in keypoint_run.exported.stderr, keypoint_run.exported.stderr[-3000:]  # quiet.WARNINGS
     assert_onnx_runs_like_eager(keypoint_run.onnx, keypoint_run.out / "last.pth", SIZE, "keypoints")
+
+
+@pytest.mark.slow
+def test_predict_draws_keypoints_and_the_skeleton(keypoint_run: KeypointRun) -> None:
+    """``predict --save_images`` without ``--threshold`` (drawn at 0.5, the JSON keeping every detection): each image
+    drawn at its size, nothing changed away from the detections scoring >= 0.5, their keypoints' pixels changed; and
+    each image's best detection drawn by ``draw.draw``: its keypoints' pixels change, and the dataset's skeleton adds
+    edges (synth: the centre to each other point)."""
+    from PIL import Image
+
+    from spmd_rfdetr.eval import draw
+    from support.drawing import changed_at_keypoints, check_drawing, original_pixels
+
+    results, _, _ = _predicted_keypoints(keypoint_run)
+    files = {row["id"]: row["file_name"]
+             for row in json.loads(keypoint_run.predicted.with_suffix(".images.json").read_text())}
+    assert sorted(p.name for p in keypoint_run.drawn.iterdir()) == sorted(files.values())
+    categories = json.loads((keypoint_run.data / "train" / "_annotations.coco.json").read_text())["categories"]
+    names = {c["id"]: c["name"] for c in categories}
+    assert all(r["category_name"] == names[r["category_id"]] for r in results)
+    skeleton = draw.skeletons(categories)
+    assert sorted(skeleton) == [1, 2, 3] and len(skeleton[1]) == 4
+    at_points, with_edges = [], 0
+    for image_id, name in files.items():
+        original, drawn = keypoint_run.data / "valid" / name, keypoint_run.drawn / name
+        rows = [r for r in results if r["image_id"] == image_id and r["score"] >= draw.DRAW_THRESHOLD]
+        check_drawing(original, drawn, rows)
+        at_points += changed_at_keypoints(original_pixels(original, drawn), original_pixels(drawn, drawn), rows)
+        best = max((r for r in results if r["image_id"] == image_id), key=lambda r: r["score"])
+        image = Image.open(original).convert("RGB")
+        vertices_only, full = np.asarray(draw.draw(image, [best])), np.asarray(draw.draw(image, [best], skeleton))
+        changed = changed_at_keypoints(np.asarray(image), full, [best])
+        assert changed and np.mean(changed) >= 0.8, (name, changed)
+        with_edges += int((vertices_only != full).any())
+    assert not at_points or np.mean(at_points) >= 0.8, at_points
+    assert with_edges >= len(files) // 2, with_edges  # the edges (unless a detection's points all coincide)
+    print(f"keypoints drawn at >= {draw.DRAW_THRESHOLD}: {len(at_points)}")

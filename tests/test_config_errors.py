@@ -63,6 +63,10 @@ CASES = {
     "eval_steps_and_epochs": (edited(eval={"every_steps": 50, "every_epochs": 1.0}), None,
                               "eval.every_steps=50 and eval.every_epochs=1.0 are both set: evaluate in steps "
                               "(--eval.every_epochs null) or in epochs (eval.every_steps: 0)"),
+    "trace_alpha": (edited(eval={"trace_alpha": -0.5}), None,
+                    "eval.trace_alpha=-0.5 must be >= 0 (rfdetr's postprocess_trace_alpha; 0: no fusion)"),
+    "oks_sigmas": (edited(eval={"keypoint_oks_sigmas": [0.05, 0.0]}), None,
+                   "eval.keypoint_oks_sigmas=[0.05, 0.0]: one positive sigma per keypoint"),
     "eval_epochs": (edited(eval={"every_epochs": 0.0}), None,
                     "eval.every_epochs=0.0 must be > 0 (or unset: eval.every_steps counts)"),
     "early_stopping_without_eval": (edited(eval={"early_stopping": True}), None,

@@ -94,12 +94,14 @@ def _dataset(counts: dict[int, int], seed: int = 0) -> tuple[COCO, dict[int, dic
     return gt, predictions
 
 
-@pytest.mark.parametrize("counts", [{1: 5, 2: 5}, {1: 3, 2: 5, 3: 5}], ids=["one-count", "two-counts"])
-def test_oks_map_equals_rfdetrs_keypoint_evaluator(counts: dict[int, int]) -> None:
+@pytest.mark.parametrize("counts,sigmas", [({1: 5, 2: 5}, None), ({1: 3, 2: 5, 3: 5}, None), ({1: 5, 2: 5}, [0.1] * 5)],
+                         ids=["one-count", "two-counts", "eval.keypoint_oks_sigmas"])
+def test_oks_map_equals_rfdetrs_keypoint_evaluator(counts: dict[int, int], sigmas: list[float] | None) -> None:
     """pycocotools, as :func:`oks_metrics` sets it up, gives rfdetr's ``CocoEvaluator(["keypoints"])`` summary (its
-    maxDets 20, its uniform 0.05 sigmas, its per-count groups weighted by their categories) to 1e-4."""
+    maxDets 20, its uniform 0.05 sigmas or the ones given, as ``eval.keypoint_oks_sigmas`` gives them, its per-count
+    groups weighted by their categories) to 1e-4."""
     gt, predictions = _dataset(counts)
-    upstream = CocoEvaluator(gt, ["keypoints"], log_summary=False)
+    upstream = CocoEvaluator(gt, ["keypoints"], log_summary=False, keypoint_oks_sigmas=sigmas)
     upstream.update(predictions)
     upstream.synchronize_between_processes()
     with contextlib.redirect_stdout(io.StringIO()):
@@ -116,7 +118,7 @@ def test_oks_map_equals_rfdetrs_keypoint_evaluator(counts: dict[int, int]) -> No
                   predictions.values()]),
         ids, {c: c for c in counts}, keypoint_counts(gt))  # label 99 (the padding) maps to no category: dropped
     assert len(results) == sum(len(p["scores"]) for p in predictions.values()) and most == 5
-    ours = oks_metrics(gt, results, ids)
+    ours = oks_metrics(gt, results, ids, sigmas)
     expected = np.asarray(upstream.coco_eval["keypoints"].stats[:10])
     assert expected[0] > 0.05  # the detections find some of the points
     np.testing.assert_allclose([ours.stats[name] for name in keypoint_stat_names()], expected, atol=1e-4, rtol=0)

@@ -264,6 +264,12 @@ class EvalOptions:
     compile: the same eval program runs on the raw weights), logged as ``eval/raw_mAP`` ... beside the EMA's
     ``eval/mAP``. Only early stopping reads it (``early_stopping_use_ema``); ``best.pth``, ``eval/best_mAP`` and
     ``last.pth`` stay the EMA's. Without ``model.ema`` it does nothing (the raw weights are the evaluated ones)."""
+    keypoint_oks_sigmas: list[float] | None = None
+    """The keypoint model's OKS sigmas per keypoint for ``eval/kp_mAP`` (rfdetr's ``keypoint_oks_sigmas``); ``None``:
+    rfdetr's (COCO person's for 17 keypoints, else a uniform 0.05)."""
+    trace_alpha: float = 0.2
+    """The keypoint model's score fusion (rfdetr's ``postprocess_trace_alpha``): how much the keypoints' uncertainty
+    lowers a detection's score; 0 keeps the class score alone."""
     early_stopping: bool = False
     """Inside ``fit``: stop when the watched mAP has not improved by ``early_stopping_min_delta`` for
     ``early_stopping_patience`` evaluations in a row (rfdetr's ``early_stopping``, counted in evaluations as its

@@ -171,6 +171,12 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
             else None
         if problem:
             problems.append(problem)
+    if not e.trace_alpha >= 0:
+        problems.append(f"eval.trace_alpha={e.trace_alpha} must be >= 0 (rfdetr's postprocess_trace_alpha; 0: no fusion)")
+    if e.keypoint_oks_sigmas is not None and not (e.keypoint_oks_sigmas and all(
+            0 < sigma < float("inf") for sigma in e.keypoint_oks_sigmas)):
+        problems.append(f"eval.keypoint_oks_sigmas={e.keypoint_oks_sigmas}: one positive sigma per keypoint (e.g. "
+                        "[0.05, 0.05, ...]), or unset for rfdetr's")
     if e.global_batch_size is not None and e.global_batch_size < 1:
         problems.append(f"eval.global_batch_size={e.global_batch_size} must be >= 1")
     elif e.global_batch_size is not None and device_count is not None and mesh_ok:

@@ -297,11 +297,14 @@ class Evaluator:
         autocast: forward context (Fabric's precision), see :class:`EvalForward`.
         num_workers: DataLoader workers.
         max_dets: detections per image COCO scores (``eval.max_dets``).
+        trace_alpha: the keypoint model's score fusion (``eval.trace_alpha``).
+        keypoint_oks_sigmas: the keypoint model's OKS sigmas (``eval.keypoint_oks_sigmas``; ``None``: rfdetr's).
     """
 
     def __init__(self, model: torch.nn.Module, dataset: Dataset[Any], *, mesh: Any, global_batch_size: int,
                  resolution: int, num_select: int, autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-                 num_workers: int = 0, max_dets: int = MAX_DETS) -> None:
+                 num_workers: int = 0, max_dets: int = MAX_DETS, trace_alpha: float = 0.2,
+                 keypoint_oks_sigmas: list[float] | None = None) -> None:
         # lazy: rfdetr imports torch_xla, which must start after the device choice
         from rfdetr.datasets import get_coco_api_from_dataset
 
@@ -312,8 +315,8 @@ class Evaluator:
         self.coco_gt = get_coco_api_from_dataset(dataset)
         if self.coco_gt is None:
             raise ValueError(f"{type(dataset).__name__} has no COCO ground truth to evaluate against")
-        self.label2cat, self.max_dets = label2cat_of(dataset), max_dets
-        self.forward = EvalForward(model, num_select, autocast)
+        self.label2cat, self.max_dets, self.sigmas = label2cat_of(dataset), max_dets, keypoint_oks_sigmas
+        self.forward = EvalForward(model, num_select, autocast, trace_alpha)
         self.loader = eval_loader(dataset, global_batch_size, resolution, num_workers)
         # then its place on the mesh
         hosts.check_same_on_all_hosts("the number of images of the eval split", len(dataset))  # else: a hang
@@ -333,7 +336,7 @@ class Evaluator:
             result.segm = coco_metrics(self.coco_gt, detections, ids, self.max_dets, iou_type="segm")
         if found.keypoints is not None:
             result.keypoint_detections = found.keypoint_results(self.label2cat, keypoint_counts(self.coco_gt))
-            result.keypoints = oks_metrics(self.coco_gt, result.keypoint_detections, ids)
+            result.keypoints = oks_metrics(self.coco_gt, result.keypoint_detections, ids, self.sigmas)
         return result
 
 
@@ -377,5 +380,5 @@ def evaluator_for(cfg: RunConfig, cfgs: Any, model: torch.nn.Module, fabric: Any
     return Evaluator(
         model, dataset, mesh=fabric.strategy.mesh, global_batch_size=batch_size, resolution=cfgs.model.resolution,
         num_select=num_select, autocast=fabric.strategy.precision.forward_context, num_workers=cfg.data.num_workers,
-        max_dets=cfg.eval.max_dets,
+        max_dets=cfg.eval.max_dets, trace_alpha=cfg.eval.trace_alpha, keypoint_oks_sigmas=cfg.eval.keypoint_oks_sigmas,
     )

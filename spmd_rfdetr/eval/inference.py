@@ -116,7 +116,7 @@ def predict(cfg: RunConfig, checkpoint: str, images: str, output: str, threshold
         log.warning("%s has no readable train/_annotations.coco.json: category_id is the label index",
                     cfg.data.dataset_dir)
     batch_size, num_select = eval_sizes(cfg, cfgs)
-    forward = EvalForward(net, num_select, fabric.strategy.precision.forward_context)
+    forward = EvalForward(net, num_select, fabric.strategy.precision.forward_context, cfg.eval.trace_alpha)
     loader = eval_loader(folder, batch_size, cfgs.model.resolution, cfg.data.num_workers)
     order = hosts.mesh_row_order(fabric.strategy.mesh, batch_size)  # several hosts: the global batch's row order
     found = run_detection(forward, loader, device_sender(fabric.strategy.mesh), order)

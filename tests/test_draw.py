@@ -42,7 +42,7 @@ def results() -> list[dict]:
     rle = mask_util.encode(np.asfortranarray(mask))
     rle = {"size": [int(v) for v in rle["size"]], "counts": rle["counts"].decode()}
     return [{"image_id": 7, "category_id": 2, "category_name": "ellipse", "bbox": [60.0, 50.0, 40.0, 30.0],
-             "score": 0.9, "segmentation": rle, "keypoints": [104, 90, 0.9, 114, 96, 0.8, 110, 84, 0.7]},
+             "score": 0.9, "segmentation": rle, "keypoints": [104, 90, 0.9, 114, 96, 0.8, 110, 84, 0.7, 116, 66, 0.6]},
             {"image_id": 7, "category_id": 1, "category_name": "rectangle", "bbox": [5.0, 5.0, 10.0, 10.0],
              "score": 0.3, "segmentation": rle, "keypoints": [7, 7, 0.5]},
             {"image_id": 8, "category_id": 1, "category_name": "rectangle", "bbox": [1.0, 2.0, 3.0, 4.0],
@@ -60,10 +60,10 @@ def test_to_detections_and_to_keypoints_are_rfdetrs_supervision_objects() -> Non
     kept = draw.to_detections(results(), image_id=7, threshold=0.3)  # >= threshold
     assert len(kept) == 2 and len(draw.to_detections(results(), image_id=7, threshold=0.31)) == 1
     points = draw.to_keypoints(results(), image_id=7)
-    assert isinstance(points, sv.KeyPoints) and points.xy.shape == (2, 3, 2)  # the shorter one padded with (0, 0)
-    np.testing.assert_array_equal(points.xy[1], [[7, 7], [0, 0], [0, 0]])
+    assert isinstance(points, sv.KeyPoints) and points.xy.shape == (2, 4, 2)  # the shorter one padded with (0, 0)
+    np.testing.assert_array_equal(points.xy[1], [[7, 7], [0, 0], [0, 0], [0, 0]])
     assert points.class_id.tolist() == [2, 1]
-    np.testing.assert_allclose(points.keypoint_confidence[0], [0.9, 0.8, 0.7])
+    np.testing.assert_allclose(points.keypoint_confidence[0], [0.9, 0.8, 0.7, 0.6])
 
 
 def test_draw_changes_pixels_at_boxes_masks_and_keypoints_only() -> None:
@@ -77,6 +77,7 @@ def test_draw_changes_pixels_at_boxes_masks_and_keypoints_only() -> None:
     assert changed[79, 60:100].all() and changed[50:80, 99].all()  # the box's bottom and right edges
     assert changed[70, 66] and changed[75, 94]  # inside the mask
     assert changed[90, 104] and changed[96, 114] and changed[84, 110]  # the keypoints, outside box and mask
+    assert changed[66, 116] and not changed[66, 112]  # the 4th, on no edge: a vertex of radius 3
     assert not changed[90:, :55].any() and not changed[5:15, 5:15].any()  # far from it; the 0.3 box not drawn
     no_edges = np.asarray(draw.draw(image, rows), np.int64)
     assert (no_edges != after).any()  # the skeleton's edges

@@ -55,7 +55,8 @@ class SegRun:
     pngs: list[Path]
     """Valid images at the model's resolution, for the interop check."""
     ours_png: Path
-    """``predict`` of ``best.pth`` on :attr:`pngs`."""
+    """``predict`` of ``best.pth`` on :attr:`pngs` (with ``--save_images`` :attr:`drawn`)."""
+    drawn: Path
     upstream: subprocess.CompletedProcess
     exported: subprocess.CompletedProcess
     """``export`` of ``last.pth`` to :attr:`onnx`, in its own process as a user runs it."""
@@ -65,7 +66,7 @@ class SegRun:
 @job_fixture
 def seg_run(inputs: JobInputs, base: Path) -> SegRun:
     """``configs/cpu-seg.yaml`` for :data:`STEPS` steps on the session dataset (evaluated at the last) with
-    multi-scale buckets :data:`SCALES` and a 2 x 2 (data x fsdp) mesh, then ``predict`` twice and upstream's
+    multi-scale buckets :data:`SCALES` and a 2 x 2 (data x fsdp) mesh, then ``predict`` twice (drawing the PNGs) and upstream's
     ``from_checkpoint`` predict in a process without torch_xla, and ``export`` of ``last.pth``."""
     cfg = yaml.safe_load((ROOT / "configs" / "cpu-seg.yaml").read_text())
     out = base / "run"
@@ -91,16 +92,16 @@ def seg_run(inputs: JobInputs, base: Path) -> SegRun:
         image = Image.open(Path(inputs.synth_dir) / "valid" / name).convert("RGB")
         image.resize((PNG_SIZE, PNG_SIZE)).save(folder / f"{name}.png")
     pngs = sorted(folder.iterdir())
-    ours_png = base / "png_predictions.json"
+    ours_png, drawn = base / "png_predictions.json", base / "drawn"
     cli("predict", "--config", str(config), "--checkpoint", str(out / "best.pth"), "--images", str(folder),
-        "--output", str(ours_png), env=env)
+        "--output", str(ours_png), "--save_images", str(drawn), env=env)
     no_xla = {k: v for k, v in inputs.env.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS")}
     upstream = subprocess.run([sys.executable, "-c", UPSTREAM_SEG_PREDICT, str(out / "best.pth"), *map(str, pngs)],
                               cwd=base, env={**no_xla, "USE_TORCH_XLA": "0"}, capture_output=True, text=True,
                               timeout=900)
     onnx = base / "seg.onnx"
     exported = cli("export", "--checkpoint", str(out / "last.pth"), "--output", str(onnx), env=env)
-    return SegRun(out, fit, predicted, pngs, ours_png, upstream, exported, onnx)
+    return SegRun(out, fit, predicted, pngs, ours_png, drawn, upstream, exported, onnx)
 
 
 def final_record(run: SegRun) -> dict:
@@ -216,3 +217,32 @@ def test_export_onnx_of_a_seg_model_runs_like_the_eager_model(seg_run: SegRun) -
     final_record(seg_run)
     assert seg_run.exported.returncode == 0, seg_run.exported.stderr[-3000:]
     assert_onnx_runs_like_eager(seg_run.onnx, seg_run.out / "last.pth", PNG_SIZE, "masks")
+
+
+@pytest.mark.slow
+def test_predict_draws_masks(seg_run: SegRun) -> None:
+    """``predict --save_images`` without ``--threshold`` (drawn at 0.5, the JSON keeping every detection): each PNG
+    drawn at its size with its category names, the pixels away from every box, label and mask of the detections
+    scoring >= 0.5 unchanged, inside each drawn mask changed; and each image's best detection drawn by
+    ``draw.draw``: inside its mask the pixels change."""
+    from spmd_rfdetr.eval import draw
+    from support.drawing import changed_inside_masks, check_drawing, original_pixels
+
+    final_record(seg_run)
+    ours = json.loads(seg_run.ours_png.read_text())
+    files = {row["id"]: row["file_name"] for row in json.loads(seg_run.ours_png.with_suffix(".images.json").read_text())}
+    assert sorted(p.name for p in seg_run.drawn.iterdir()) == sorted(files.values())
+    assert {d["category_name"] for d in ours} == {"rectangle", "ellipse", "triangle"}
+    fractions = []
+    for image_id, name in files.items():
+        original, drawn = seg_run.pngs[0].parent / name, seg_run.drawn / name
+        rows = [d for d in ours if d["image_id"] == image_id and d["score"] >= draw.DRAW_THRESHOLD]
+        check_drawing(original, drawn, rows)
+        before = original_pixels(original, drawn)
+        fractions += changed_inside_masks(before, original_pixels(drawn, drawn), rows)
+        best = max((d for d in ours if d["image_id"] == image_id), key=lambda d: d["score"])
+        image = Image.open(original).convert("RGB")
+        in_memory = changed_inside_masks(np.asarray(image), np.asarray(draw.draw(image, [best])), [best])
+        assert in_memory and in_memory[0] > 0.9, (name, best["score"], in_memory)
+    assert all(f > 0.9 for f in fractions), fractions
+    print(f"masks drawn at >= {draw.DRAW_THRESHOLD}: {len(fractions)}")

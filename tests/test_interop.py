@@ -30,8 +30,9 @@ TINY = dict(resolution=128, num_queries=30, group_detr=2, dec_layers=2)
 #: loads one: its variant class with the saved architecture, and ``RFDETR.from_checkpoint`` from the file alone.
 UPSTREAM_PREDICT = """
 import json, sys, torch
+import supervision as sv
 from rfdetr import RFDETR, RFDETRNano
-checkpoint, images = sys.argv[1], sys.argv[2:]
+checkpoint, best, threshold, images = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4:]
 saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
 m = saved["config"]["model"]
 model = RFDETRNano(pretrain_weights=checkpoint, num_classes=m["num_classes"], resolution=m["resolution"],
@@ -39,11 +40,16 @@ model = RFDETRNano(pretrain_weights=checkpoint, num_classes=m["num_classes"], re
                    group_detr=m["group_detr"], dec_layers=m["dec_layers"])
 restored = RFDETR.from_checkpoint(checkpoint)
 assert "torch_xla" not in sys.modules, "upstream ran with torch_xla imported"
-out = {"class_names": restored.class_names, "images": []}
+best_model = RFDETR.from_checkpoint(best)  # the README's route: best.pth alone, predict at a threshold
+out = {"class_names": restored.class_names, "best_class_names": best_model.class_names, "images": [], "best": []}
 for path in images:
     d, r = model.predict(path, threshold=0.0), restored.predict(path, threshold=0.0)
     assert (d.xyxy == r.xyxy).all() and (d.confidence == r.confidence).all() and (d.class_id == r.class_id).all()
     out["images"].append({"xyxy": d.xyxy.tolist(), "score": d.confidence.tolist(), "label": d.class_id.tolist()})
+    b = best_model.predict(path, threshold=threshold)
+    assert isinstance(b, sv.Detections)
+    out["best"].append({"xyxy": b.xyxy.tolist(), "score": b.confidence.tolist(), "label": b.class_id.tolist(),
+                        "class_name": b.data["class_name"].tolist()})
 print(json.dumps(out))
 """
 
@@ -56,6 +62,9 @@ def without_xla() -> dict[str, str]:
 
 @pytest.mark.slow
 def test_upstream_rfdetr_predicts_what_our_predict_does(fit_run, synth_dir, tmp_path):
+    """rfdetr alone (no torch_xla) on our weight files: its variant class and ``RFDETR.from_checkpoint(last.pth)``
+    predict our ``predict``'s detections; ``RFDETR.from_checkpoint(best.pth).predict(image, threshold)`` gives
+    ``supervision.Detections`` named by the dataset, equal to ``to_detections`` of our output."""
     from spmd_rfdetr.cli import main
     from spmd_rfdetr.eval.coco import label2cat_for
 
@@ -68,15 +77,23 @@ def test_upstream_rfdetr_predicts_what_our_predict_does(fit_run, synth_dir, tmp_
 
     main(["predict", "--checkpoint", str(checkpoint), "--images", str(folder), "--output", str(tmp_path / "p.json")])
     ours = json.loads((tmp_path / "p.json").read_text())
+    main(["predict", "--checkpoint", str(fit_run / "best.pth"), "--images", str(folder), "--output",
+          str(tmp_path / "best.json")])  # the same program: no compile
+    ours_best = json.loads((tmp_path / "best.json").read_text())
     weight_file = torch.load(checkpoint, map_location="cpu", weights_only=True)
     saved = weight_file["config"]
     cat2label = {c: label for label, c in (label2cat_for(saved["data"]["dataset_dir"]) or {}).items()}
+    best_scores = sorted((d["score"] for d in ours_best), reverse=True)
+    threshold = min(0.5, (best_scores[4] + best_scores[5]) / 2)  # rfdetr's default, unless it keeps under 5 boxes
 
-    child = subprocess.run([sys.executable, "-c", UPSTREAM_PREDICT, str(checkpoint), *images], cwd=tmp_path,
-                           env=without_xla(), capture_output=True, text=True, timeout=900)
+    child = subprocess.run([sys.executable, "-c", UPSTREAM_PREDICT, str(checkpoint), str(fit_run / "best.pth"),
+                            repr(threshold), *images], cwd=tmp_path, env=without_xla(), capture_output=True, text=True,
+                           timeout=900)
     assert child.returncode == 0, child.stderr[-3000:]
     theirs = json.loads(child.stdout.strip().splitlines()[-1])
     assert theirs["class_names"] == weight_file["class_names"] == ["rectangle", "ellipse", "triangle"]
+    assert theirs["best_class_names"] == theirs["class_names"]
+    assert_rfdetr_predict_is_to_detections(theirs["best"], ours_best, threshold, cat2label)
     for image_id, upstream in enumerate(theirs["images"]):  # ids of a folder without annotations: the sorted file order
         rows = sorted((d for d in ours if d["image_id"] == image_id), key=lambda d: -d["score"])
         order = np.argsort(-np.asarray(upstream["score"]), kind="stable")
@@ -88,6 +105,28 @@ def test_upstream_rfdetr_predicts_what_our_predict_does(fit_run, synth_dir, tmp_
         np.testing.assert_allclose(ours_xyxy / 128, np.asarray(upstream["xyxy"])[order] / 128, atol=1e-4)
         assert [cat2label[d["category_id"]] for d in rows] == np.asarray(upstream["label"])[order].tolist()
     assert max(d["score"] for d in ours) > 0.3  # a trained model, not a blank one
+
+
+def assert_rfdetr_predict_is_to_detections(theirs: list[dict], ours: list[dict], threshold: float,
+                                           cat2label: dict[int, int]) -> None:
+    """rfdetr's ``predict(image, threshold)`` on ``best.pth`` (its ``supervision.Detections``, per image) equals
+    :func:`spmd_rfdetr.eval.draw.to_detections` of our ``predict`` output at that threshold: boxes, scores, labels and
+    ``data["class_name"]``, the dataset's names (rfdetr keeps scores > threshold, ours >= it: no score is equal)."""
+    from spmd_rfdetr.eval.draw import to_detections
+
+    kept = 0
+    for image_id, upstream in enumerate(theirs):
+        mine = to_detections(ours, image_id, threshold)
+        order = np.argsort(-np.asarray(upstream["score"]), kind="stable")
+        order = order[np.isin(np.asarray(upstream["label"])[order], list(cat2label.values()))]  # as ours: no "no object"
+        assert len(mine) == len(order), (image_id, len(mine), len(order))
+        np.testing.assert_allclose(mine.confidence, np.asarray(upstream["score"])[order], atol=1e-4)
+        np.testing.assert_allclose(mine.xyxy / 128, np.asarray(upstream["xyxy"]).reshape(-1, 4)[order] / 128,
+                                   atol=1e-4)
+        assert [cat2label[c] for c in mine.class_id] == np.asarray(upstream["label"])[order].tolist()
+        assert mine.data["class_name"].tolist() == np.asarray(upstream["class_name"])[order].tolist()
+        kept += len(mine)
+    assert kept >= 5 and {n for u in theirs for n in u["class_name"]} <= {"rectangle", "ellipse", "triangle"}
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Batch size and learning rate when fine-tuning (issue 48 item 1): keep rfdetr's LR, or scale it with the batch?
 
-    python benchmarks/batch_lr.py --out /tmp/batch_lr      # the committed table (~85 min on 2 busy shared cores)
+    python benchmarks/batch_lr.py --out /tmp/batch_lr      # the committed table (~100 min on 2 busy shared cores)
 
 1. ``synth`` writes two synthetic sets (unless ``--data`` has them): A (seed 11, 3 classes, 512 train images) and B
    (seed 22, 6 classes: A's three and three new shapes; 256 train, 256 valid images), both 64 px, 1-4 shapes each.

@@ -148,6 +148,22 @@ def test_epochs_become_steps_and_a_schedule_that_cannot_work_is_named(caplog: py
     length.size_in_steps(edited(trainer={"max_steps": 5})(), 7)  # counted in steps: no epoch needed
 
 
+def test_the_lr_follows_the_global_batch_by_the_recipes_rule(caplog: pytest.LogCaptureFixture) -> None:
+    """``optim.lr_scaling``: linear and square-root scaling from ``lr_reference_batch`` (rfdetr's 16), both LRs, said
+    in the log; ``none`` keeps them; a reference batch below 1 is a config error."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    for rule, batch, factor in (("linear", 128, 8.0), ("sqrt", 64, 2.0), ("linear", 16, 1.0), ("none", 128, 1.0)):
+        cfg = edited(optim={"lr": 1e-4, "lr_encoder": 1.5e-4, "lr_scaling": rule}, data={"global_batch_size": batch})()
+        resolve.scale_lr(cfg)
+        assert (cfg.optim.lr, cfg.optim.lr_encoder) == pytest.approx((1e-4 * factor, 1.5e-4 * factor)), (rule, batch)
+    assert "optim.lr_scaling=linear: a global batch of 128 is 8 x optim.lr_reference_batch=16: lr 0.0001 -> 0.0008" \
+        in caplog.text
+    with pytest.raises(ConfigError, match="optim.lr_reference_batch=0 must be >= 1"):
+        resolve_and_check(edited(optim={"lr_reference_batch": 0})())
+
+
 def test_openxla_is_refused_where_the_fix_is_not_verified(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = edited(trainer={"compile_backend": "openxla"})
     resolve_and_check(cfg())  # torch_xla 2.9.0: verified

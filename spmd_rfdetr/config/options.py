@@ -119,6 +119,13 @@ class OptimOptions:
     """Learning rate of the backbone (scaled per layer by ``lr_vit_layer_decay``)."""
     weight_decay: float = 1e-4
     """AdamW weight decay (rfdetr's no-decay rules apply to the backbone)."""
+    lr_scaling: Literal["none", "sqrt", "linear"] = "none"
+    """How ``lr`` and ``lr_encoder`` follow the global batch: set for ``lr_reference_batch`` images per step, ``fit``
+    multiplies both by ``global batch / lr_reference_batch`` (``linear``) or its square root (``sqrt``) once the
+    mesh is known (logged); ``none`` keeps them. Fine-tuning on the CPU mesh at 4x the batch and equal epochs,
+    linear kept the most mAP (``benchmarks/README.md``: "Batch size and learning rate")."""
+    lr_reference_batch: int = 16
+    """The global batch ``lr`` and ``lr_encoder`` are set for (rfdetr's: 4 images x 4 accumulation steps)."""
     lr_vit_layer_decay: float = 0.8
     """Per-layer LR decay of the ViT backbone."""
     lr_component_decay: float = 0.7

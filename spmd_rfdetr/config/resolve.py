@@ -111,6 +111,7 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
         ("trainer.log_every", t.log_every, 1, ""),
         ("optim.accumulate", o.accumulate, 1, " (1: no accumulation)"),
         ("optim.warmup_steps", o.warmup_steps, 0, ""),
+        ("optim.lr_reference_batch", o.lr_reference_batch, 1, ""),
         ("checkpointing.every_steps", c.every_steps, 0, " (0: a checkpoint only on SIGTERM)"),
         ("checkpointing.keep", c.keep, 0, " (0: keep every checkpoint)"),
         ("eval.max_dets", cfg.eval.max_dets, 1, ""),
@@ -187,6 +188,19 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
             )
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def scale_lr(cfg: RunConfig) -> None:
+    """``optim.lr``/``lr_encoder`` scaled to the global batch by ``optim.lr_scaling`` (once, when ``fit`` starts)."""
+    o, batch = cfg.optim, cfg.data.global_batch_size
+    if o.lr_scaling == "none" or batch == o.lr_reference_batch:
+        return
+    factor = batch / o.lr_reference_batch if o.lr_scaling == "linear" else (batch / o.lr_reference_batch) ** 0.5
+    logging.getLogger(__name__).info(
+        "optim.lr_scaling=%s: a global batch of %d is %g x optim.lr_reference_batch=%d: lr %g -> %g, lr_encoder %g -> "
+        "%g", o.lr_scaling, batch, batch / o.lr_reference_batch, o.lr_reference_batch, o.lr, o.lr * factor,
+        o.lr_encoder, o.lr_encoder * factor)
+    o.lr, o.lr_encoder = o.lr * factor, o.lr_encoder * factor
 
 
 def num_select_problem(num_select: int, num_queries: int, num_classes: int) -> str | None:

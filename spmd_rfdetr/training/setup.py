@@ -23,7 +23,8 @@ import yaml
 
 from spmd_rfdetr.config.options import ConfigError, RunConfig, is_keypoint, is_segmentation
 from spmd_rfdetr.config.length import eval_every_steps, evaluates_in_fit, log_eval_share, size_in_steps
-from spmd_rfdetr.config.resolve import fetch_pretrain_weights, multi_scale_buckets, resolve_and_check, upstream_scales
+from spmd_rfdetr.config.resolve import (fetch_pretrain_weights, multi_scale_buckets, resolve_and_check, scale_lr,
+                                        upstream_scales)
 from spmd_rfdetr.data.batches import blank_batch, first_uses, make_train_loader
 from spmd_rfdetr.data.check import check_data
 from spmd_rfdetr.data.splits import build_eval_split, build_split, check_overflow, class_names, num_classes_in
@@ -72,6 +73,7 @@ class Run:
 def prepare(cfg: RunConfig) -> Run:
     """Check, size and lay out the run before anything is built (``setup_runtime`` has run)."""
     resolve_and_check(cfg, xr.global_runtime_device_count())
+    scale_lr(cfg)  # the global batch is known now; config.yaml and every checkpoint record the LR trained with
     t, d = cfg.trainer, cfg.data
     if "wandb" in t.loggers:  # the coordinator logs: its credentials, before the weights, the data check, the build
         problem = hosts.from_coordinator(lambda: (wandb_login_problem() or "").encode()).decode()

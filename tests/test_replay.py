@@ -8,10 +8,7 @@ The fit-level tests compare the session's replayed loop fit (``conftest.loop_run
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,16 +16,13 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
-import yaml
 
-from jobs import JobInputs, job_fixture
 from support.models import EVAL_EVERY, FIT_WARMUP, LOOP_STEPS, loop_config
-from support.runs import ROOT, read_metrics, sigterm_after
+from support.runs import read_metrics, sigterm_after
 from spmd_rfdetr.config.options import OptimOptions
 from spmd_rfdetr.training.metrics import xla_counters
 from spmd_rfdetr.training.optim import DeviceLRSchedule, lr_factor
-from spmd_rfdetr.training.stops import SIGTERM_AT_STEP_ENV
-from spmd_rfdetr.xla.replay import DONATE_ON_CPU_ENV, Replayer, ReplayUnsafe
+from spmd_rfdetr.xla.replay import Replayer, ReplayUnsafe
 from spmd_rfdetr.training.step import TrainStep
 
 
@@ -71,70 +65,6 @@ def test_replay_fit_equals_trace_fit_through_warmup_into_cosine(loop_run, trace_
     np.testing.assert_allclose(lrs, expected, rtol=1e-6)
     assert lrs[FIT_WARMUP - 1] > lrs[0] and lrs[-1] < lrs[FIT_WARMUP]
     assert replay[-1]["step_traces"] == 2 and trace[-1]["step_traces"] == len(trace)
-
-
-#: ``python -m spmd_rfdetr ARGS`` that prints torch_xla's ``InputOutputAliasCount`` samples as it ends: one per
-#: compiled program, (time, how many of its inputs it donates).
-CLI_WITH_ALIASES = r"""
-import json, sys
-from spmd_rfdetr.cli import main
-try:
-    main(sys.argv[1:])
-finally:
-    import torch_xla.debug.metrics as met
-    print("ALIASES", json.dumps((met.metric_data("InputOutputAliasCount") or (0, 0, []))[2]))
-"""
-
-
-@job_fixture
-def undonated_fit(inputs: JobInputs, base: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """The loop fit's config by the CLI with the replayed step not donating its state (``SPMD_RFDETR_DONATE_ON_CPU=0``),
-    stopped by a real SIGTERM after :data:`TRACE_STEPS` steps (the schedule stays the 24-step one of the other arms)."""
-    cfg = yaml.safe_load(inputs.loop_config.read_text())
-    out = base / "run"
-    cfg["trainer"].update(output_dir=str(out), loggers=[])
-    config = base / "config.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    env = {**inputs.env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", DONATE_ON_CPU_ENV: "0",
-           SIGTERM_AT_STEP_ENV: str(TRACE_STEPS)}
-    proc = subprocess.run([sys.executable, "-c", CLI_WITH_ALIASES, "fit", "--config", str(config)], cwd=ROOT, env=env,
-                          text=True, capture_output=True, timeout=900)
-    return proc, out
-
-
-def step_program_aliases(out: Path, samples: list[tuple[float, float]]) -> list[int]:
-    """The ``InputOutputAliasCount`` samples (time, donated inputs) of the programs a fit compiled before its first
-    record (the step's program among them), from its ``config.yaml`` written at set-up to its step-1 record."""
-    start, first = (out / "config.yaml").stat().st_mtime, read_metrics(out)[0]["time"]
-    return [int(count) for at, count in samples if start <= at <= first]
-
-
-@pytest.mark.slow
-def test_donated_replay_equals_undonated_replay_and_trace_mode(loop_run, trace_fit_run, undonated_fit, loop_tiny):
-    """What every TPU runs, the replayed step donating its state (XLA input/output aliasing; on the CPU client too,
-    ``donates_at_runtime``), trains as the undonated replay and trace mode do: the session's replayed loop fit (in
-    process, donated), the same fit by the CLI with ``SPMD_RFDETR_DONATE_ON_CPU=0`` and the trace-mode fit give the
-    same loss at each of the first :data:`TRACE_STEPS` steps, bit for bit (measured 2026-12-06: equal to the last
-    digit at all 8; the CPU client's ulp drift between identical runs shows later, test_resume.py ``AFTER_RESUME``).
-
-    And the arms are what they say: torch_xla's ``InputOutputAliasCount`` (how many inputs a compiled program
-    donates, one sample per compile) shows the donated fit's step program donating at least its weights and both
-    AdamW moments (measured: 576 inputs for 113 trainable parameters), the undonated fit compiling none that does."""
-    import torch_xla.debug.metrics as met
-
-    proc, out = undonated_fit
-    assert proc.returncode == 0 and f"stopped by SIGTERM after step {TRACE_STEPS}" in proc.stdout, proc.stderr[-3000:]
-    arms = {name: [r["loss"] for r in read_metrics(run)[:TRACE_STEPS]]
-            for name, run in (("donated", loop_run), ("undonated", out), ("trace", trace_fit_run))}
-    assert all(len(losses) == TRACE_STEPS for losses in arms.values()), arms
-    assert arms["donated"] == arms["undonated"] == arms["trace"], arms
-    state = 3 * sum(p.requires_grad for p in loop_tiny.model().parameters())  # weights, exp_avg, exp_avg_sq
-    donated = step_program_aliases(loop_run, met.metric_data("InputOutputAliasCount")[2])
-    undonated = step_program_aliases(out, json.loads(proc.stdout.split("ALIASES", 1)[1].splitlines()[0]))
-    # (torch_xla keeps a metric's last 1024 samples, XLA_METRICS_SAMPLES: none in the window would mean that many
-    # compiles since the loop fit)
-    assert donated and max(donated) >= state, (donated, state)
-    assert undonated and max(undonated) < state, (undonated, state)
 
 
 def replay_cfg_optim() -> OptimOptions:
@@ -369,29 +299,3 @@ def test_a_program_dropped_from_the_compilation_cache_is_compiled_again(mesh_tra
     for size in range(1, COMPILATION_CACHE_SIZE + 2):  # more new programs than the cache holds
         torch.ones(size, device=torch_xla.device()).mul(3).sum().cpu()
     assert replayer(x).cpu().item() == 64.0 and replayer.traces == 2
-
-
-@pytest.mark.parametrize("setting", [None, "0"], ids=["default", "off"])
-def test_a_replay_donates_the_state_it_updates_unless_turned_off(mesh_trainer, monkeypatch, setting):
-    """By default (as on a TPU) the replayed program reuses the buffers of the state it updates for its results, on
-    XLA's CPU client too: a reference to the pre-step data is gone after the replay. With
-    ``SPMD_RFDETR_DONATE_ON_CPU=0`` that data stays readable."""
-    import torch_xla.core.xla_model as xm
-
-    if setting is None:
-        monkeypatch.delenv(DONATE_ON_CPU_ENV, raising=False)
-    else:
-        monkeypatch.setenv(DONATE_ON_CPU_ENV, setting)
-    weight = torch.zeros(4, device=torch_xla.device())
-    torch_xla.sync()
-    replayer = Replayer(lambda b: weight.add_(b["x"].sum(0)).sum(), lambda: [weight])
-    x = mesh_trainer.to_device({"x": torch.ones(8, 4)})
-    assert replayer(x).cpu().item() == 32.0  # traced and compiled (donating or not), then run
-    before = weight.detach()  # the pre-step data of the next replay
-    assert replayer(x).cpu().item() == 64.0
-    xm.wait_device_ops()
-    if setting is None:
-        with pytest.raises(RuntimeError, match="HasValue"):
-            before.cpu()
-    else:
-        assert before.cpu().tolist() == [8.0] * 4

@@ -27,6 +27,7 @@ def test_every_subpackage_is_in_the_wheel_list() -> None:
     assert "spmd_rfdetr.recipes" in listed
 
 
+@pytest.mark.slow
 def test_a_recipe_by_name_from_another_directory(tmp_path: Path) -> None:
     """In the checkout's own install, from a directory that has no ``configs/``: a bare name, the README's
     ``configs/`` spelling and a name without ``.yaml`` read the shipped recipe; a file that exists wins; an unknown

@@ -43,6 +43,10 @@ WARNINGS = (
     (UserWarning, "The function definition for SavePlanner.set_up_planner has been updated",
      r"torch\.distributed\.checkpoint\.state_dict_saver",
      "addressed to the planner's author: torch_xla 2.9's SPMDSavePlanner (checkpoint.py only subclasses it)"),
+    (UserWarning, "Using a non-tuple sequence for multidimensional indexing is deprecated",
+     r"torch_xla\.distributed\.spmd\.xla_sharded_tensor",
+     "torch_xla 2.9's XLAShardedTensor.unpadded_data indexes with a list; a checkpoint of weights sharded over "
+     "mesh.fsdp reads every shard through it (torch's deprecation is addressed to torch_xla, its last release)"),
     (Warning, "Converting a tensor to a Python ", r"(rfdetr|torch)(\.|$)",
      "torch.jit's TracerWarning while rfdetr's exporter traces its model (export): the graph is traced at one input "
      "shape, where the values read are constants; rfdetr's own export prints the same ~15 lines"),

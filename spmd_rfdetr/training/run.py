@@ -27,9 +27,10 @@ def train(cfg: Any, preemption: Preemption, started: float) -> Path:
     t = cfg.trainer
     done = finished(run)
     if done is not None:  # a relaunch of a finished run: nothing is built, nothing compiles
-        log.info("%s: this run is finished (%s holds its last step); nothing left to train (XLA compiled %d "
-                 "graph(s) in this process)", run.resume_from, done, xla_counters()["xla_compiles"])
-        return done
+        last, why = done
+        log.info("%s: %s; nothing left to train (XLA compiled %d graph(s) in this process; %s holds its weights)",
+                 run.resume_from, why, xla_counters()["xla_compiles"], last)
+        return last
     trainer = build_trainer(run.fabric, run.build_cfgs, cfg.optim, t, ema=cfg.model, mesh=cfg.mesh)
     saver = Saver(run, trainer)
     start, meta = saver.resume()

@@ -72,8 +72,8 @@ class Saver:
         return last
 
 
-def finished(run: Run) -> Path | None:
-    """``last.pth`` when the run being resumed has nothing left to do (``None``: it has): its checkpoint is at (or
+def finished(run: Run) -> tuple[Path, str] | None:
+    """``last.pth`` and why the run being resumed has nothing left to do (``None``: it has): its checkpoint is at (or
     past) ``trainer.max_steps`` or early stopping ended it, evaluated at that step when ``fit`` evaluates, and
     ``last.pth`` holds that step. Reads ``meta.json`` and the weight file's step only: nothing is built or compiled."""
     if not run.resume_from:
@@ -82,5 +82,6 @@ def finished(run: Run) -> Path | None:
     step, stopped = meta["step"], bool(meta.get("early_stopped"))
     evaluated = run.eval_set is None or stopped or meta.get("evaluated_step") == step
     if (step >= run.cfg.trainer.max_steps or stopped) and evaluated and checkpoint.weight_file_step(last) == step:
-        return last
+        why = "stopped early" if stopped else "is finished"
+        return last, f"this run {why} at step {step}{' (early stopping)' if stopped else ''}"
     return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -195,7 +196,11 @@ def test_two_hosts_fit_and_evaluate_as_one_host_with_a_gloo_default_group(two_ho
     valid = json.loads((Path(synth_dir) / "valid" / "_annotations.coco.json").read_text())
     assert summary["num_images"] == len(valid["images"]), summary  # every image once, no padding row scored
     assert (host0 / "last.pth").is_file() and (host0 / "metrics.jsonl").is_file()
-    assert not [p for p in host1.rglob("*") if p.is_file()], list(host1.rglob("*"))  # host 1 writes nothing
+    final = f"step_{HOST_FIT_STEPS:08d}"  # the last step's checkpoint: each host writes its own shards into it
+    assert (host0 / "checkpoints" / final / "meta.json").is_file()
+    # host 1 writes its shards (here into its own output_dir; a pod's is one every host writes) and nothing else
+    shards = {p.relative_to(host1).as_posix() for p in host1.rglob("*") if p.is_file()}
+    assert shards and all(re.fullmatch(rf"checkpoints/\.{final}\.partial/__1_\d+\.distcp", p) for p in shards), shards
 
 
 def assembled_rows(tile_devices: list[int], host_devices: list[list[int]], host_rows: list[list[int]]) -> list[int]:

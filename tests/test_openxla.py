@@ -24,6 +24,11 @@ from spmd_rfdetr.xla.openxla_fix import apply_bridge_fix
 
 ROOT = Path(__file__).resolve().parents[1]
 OPENXLA_STEPS = 5
+#: Step 5's tolerance against the replay fit: the step where near-tied proposals were ranked differently on the CPU of
+#: 2026-12-06 (3.4e-3: losses 10.72927 / 10.76600 with the code of 6290202 too, whose CI passed at 6.2e-5 on another
+#: CPU; steps 3-4 agreed to 6e-7, so the weights were right). A 10% LR error moves step 3 by 7.6e-3: steps 1-4 keep
+#: :func:`parity_tolerance`.
+REORDERED_STEP_TOLERANCE = 1e-2
 
 
 def openxla_grad_errors(mesh, calls: int = 5) -> list[float]:
@@ -96,7 +101,7 @@ def test_fit_trains_with_openxla_as_with_replay_and_skips_a_nan_step(openxla_fit
     """The CLI's `fit` with compile_backend=openxla, 5 steps of the loop fit's config (in its LR warm-up): the
     replay fit's losses within :func:`~conftest.parity_tolerance` (1e-5 at step 1, 1e-4 at step 2: the weight
     updates were right; from step 3 the two programs, which round differently, may rank near-tied proposals
-    differently: measured 6.2e-5 at step 5 on a CI run). Then a real NaN batch at step 6 with
+    differently: measured 6.2e-5 at step 5 on a CI run, 3.4e-3 on another CPU: :data:`REORDERED_STEP_TOLERANCE`). Then a real NaN batch at step 6 with
     ``trainer.on_nonfinite=skip_step``: counted, named, and the weights and AdamW state after it are those after
     step 5, bit for bit (the non-finite guard around dynamo's graphs), and the EMA stays finite."""
     from support.models import read_training_checkpoint
@@ -108,7 +113,8 @@ def test_fit_trains_with_openxla_as_with_replay_and_skips_a_nan_step(openxla_fit
     assert [r["step"] for r in ours] == list(range(1, OPENXLA_STEPS + 2))
     assert {r["step_mode"] for r in ours} == {"openxla"}
     for a, b in zip(ours, ref):
-        assert abs(a["loss"] - b["loss"]) <= parity_tolerance(a["step"]) * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+        tolerance = parity_tolerance(a["step"]) if a["step"] < OPENXLA_STEPS else REORDERED_STEP_TOLERANCE
+        assert abs(a["loss"] - b["loss"]) <= tolerance * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
     nan_step = ours[-1]
     assert nan_step["loss"] != nan_step["loss"] and nan_step["nonfinite_steps"] == 1
     assert nan_step["first_nonfinite_step"] == OPENXLA_STEPS + 1 and ours[-2]["nonfinite_steps"] == 0

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,3 +156,46 @@ def test_a_rollback_then_a_sigterm_keeps_the_new_branch(story: Story) -> None:
     assert story.end == out / "last.pth" and step_of(out / "last.pth") == LOOP_STEPS
     meta = json.loads((out / "checkpoints" / f"step_{LOOP_STEPS:08d}" / "meta.json").read_text())
     assert meta["evaluated_step"] == LOOP_STEPS
+
+
+@pytest.mark.slow
+def test_a_sigterm_during_a_save_publishes_it_and_stops_after_the_next_step(tiny, synth_dir: str, loop_run: Path,
+                                                                           tmp_path_factory) -> None:
+    """A real SIGTERM while step 8's checkpoint is being saved (its files written, held 1 s before the publish): the
+    save is published whole, the run trains one more step, saves it and returns; ``--trainer.resume auto`` trains
+    the rest, each step logged once, the steps after the resume point equal to the straight run's to 1e-6 (as
+    test_resume compares: two steps past the resume). Fails if the signal interrupts the save (no ``step_8``) or the
+    stop is lost (the run goes on to the end)."""
+    base = tmp_path_factory.mktemp("sigterm-in-save")
+    cfg = loop_config(tiny, synth_dir, base, "replay")
+    cfg.trainer.resume = "auto"
+    cfg.checkpointing.every_steps, cfg.checkpointing.keep = SAVE_EVERY, 2
+    out = Path(cfg.trainer.output_dir)
+    written = out / "checkpoints" / f".step_{SAVE_EVERY:08d}.partial" / "meta.json"  # written just before the pause
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.02):
+            if written.exists():
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SPMD_RFDETR_TEST_PAUSE_BEFORE_PUBLISH_S", "1")
+        watcher.start()
+        try:
+            stopped = loop.fit(copy.deepcopy(cfg))
+        finally:
+            done.set()
+            watcher.join()
+    stop_step = SAVE_EVERY + 1
+    assert stopped == out / "checkpoints" / f"step_{stop_step:08d}"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{s:08d}" for s in (SAVE_EVERY, stop_step)]
+    assert json.loads((out / "checkpoints" / f"step_{SAVE_EVERY:08d}" / "meta.json").read_text())["step"] == SAVE_EVERY
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, stop_step + 1))
+    assert loop.fit(copy.deepcopy(cfg)) == out / "last.pth"
+    records, straight = read_metrics(out), {r["step"]: r["loss"] for r in read_metrics(loop_run)}
+    assert [r["step"] for r in records] == list(range(1, LOOP_STEPS + 1))
+    for r in records[:stop_step + 2]:
+        assert abs(r["loss"] - straight[r["step"]]) <= 1e-6 * abs(straight[r["step"]]), (r["step"], r["loss"])

@@ -11,6 +11,8 @@ left them. The NaN test stops an in-process fit with a real SIGTERM of its own (
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,8 @@ import yaml
 
 from support.models import LOOP_STEPS, PREEMPTED_EVAL_EVERY, PREEMPTED_SIGTERM_STEP
 from support.runs import NOISE, XLA_NOTE, PreemptedRun, noise, read_metrics, sigterm_after
-from spmd_rfdetr.data.batches import SeededSamples, TrainBatches
+from spmd_rfdetr.data.batches import HOST_RNG, SeededSamples, TrainBatches
+from spmd_rfdetr.eval.batches import eval_loader
 
 
 def test_batches_from_any_step_are_the_straight_runs_batches():
@@ -59,6 +62,37 @@ def test_seeded_samples_depend_on_the_key_only():
     state = torch.get_rng_state()
     data[(0, 0)]
     assert torch.equal(state, torch.get_rng_state())  # the caller's RNG is untouched
+
+
+class SlowAugmented(Augmented):
+    """Two draws from torch's global RNG with a pause between, as rfdetr's flip then its crop."""
+
+    def __getitem__(self, index: int):
+        first = torch.rand(()).item()
+        time.sleep(0.002)
+        return index, first, torch.rand(()).item()
+
+
+def test_an_evaluation_meanwhile_leaves_the_samples_alone():
+    """With ``data.num_workers: 0`` the loader's prefetch thread reads samples while ``fit`` evaluates on the main
+    thread, whose use of torch's global RNG (a DataLoader's ``iter()``, dynamo saving and restoring it while it
+    compiles) changed a sample's augmentations at random; ``fit`` evaluates holding ``HOST_RNG``, which every sample
+    read holds. Fails without the lock in ``SeededSamples`` (the draws interleave), and an eval loader's ``iter()``
+    draws nothing from the global RNG (failed without its own generator)."""
+    data = SeededSamples(SlowAugmented(), seed=1)
+    alone = [data[(0, i)] for i in range(20)]
+    read: list = []
+    reader = threading.Thread(target=lambda: read.extend(data[(0, i)] for i in range(20)))
+    reader.start()
+    while reader.is_alive():
+        with HOST_RNG:  # what fit's evaluation does with the global RNG, as fit holds the lock
+            torch.seed()
+        time.sleep(0.0005)
+    reader.join()
+    assert read == alone
+    state = torch.get_rng_state()
+    iter(eval_loader(list(range(8)), global_batch_size=4, resolution=64, share=(0, 1)))
+    assert torch.equal(state, torch.get_rng_state())
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ every state tensor bit-identical.
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -179,12 +180,20 @@ def first_uses(scales: Sequence[int], start_step: int, max_steps: int) -> dict[i
     return first
 
 
+#: Held while a sample is read with the global host RNGs seeded (:class:`SeededSamples`), and by ``fit`` around an
+#: evaluation: with ``data.num_workers: 0`` samples are read in the loader's prefetch thread, and an evaluation's
+#: use of torch's global RNG on the main thread (a DataLoader's ``iter()``, dynamo saving and restoring the RNG while
+#: it compiles) landing inside a sample's augmentations changed that sample's flip or crop at random (measured
+#: 2026-12-06: the first train batch loaded during an evaluation, about one run in three).
+HOST_RNG = threading.RLock()
+
+
 class SeededSamples(Dataset):  # type: ignore[type-arg]
     """Reads ``dataset[index]`` for a ``(epoch, index)`` key with the host RNGs seeded from (seed, epoch, index).
 
     rfdetr's augmentations draw from torch's, Python's and NumPy's global RNGs; seeding them per sample makes every
     augmented image a function of its key, independent of worker count, prefetching and where a run resumed. The
-    caller's RNG states are restored afterwards.
+    caller's RNG states are restored afterwards. The read holds :data:`HOST_RNG`.
     """
 
     def __init__(self, dataset: Dataset[Any], seed: int) -> None:
@@ -199,8 +208,8 @@ class SeededSamples(Dataset):  # type: ignore[type-arg]
             return (*self[key[:2]], key[2])
         epoch, index = key
         sample_seed = hash((self.seed, epoch, index)) & 0xFFFF_FFFF  # ints hash to themselves: stable across runs
-        py_state, np_state = random.getstate(), np.random.get_state()
-        with torch.random.fork_rng(devices=[]):
+        with HOST_RNG, torch.random.fork_rng(devices=[]):
+            py_state, np_state = random.getstate(), np.random.get_state()
             torch.manual_seed(sample_seed)
             random.seed(sample_seed)
             np.random.seed(sample_seed)

@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from spmd_rfdetr.data.batches import HOST_RNG
 from spmd_rfdetr.training import setup
 from spmd_rfdetr.training.build import build_trainer
 from spmd_rfdetr.training.evaluation import FitEvaluation
@@ -111,8 +112,10 @@ def _compile_notice(cfg: Any, start: int) -> str:
 
 
 def _evaluate(step: int, record: dict[str, Any], evaluation: FitEvaluation, saver: Saver) -> bool:
-    """Evaluate into ``record``; ``best.pth`` if the mAP improved. True: early stopping ends the run here (saved)."""
-    record.update(evaluation(step), evaluated_weights=saver.weights_kind)
+    """Evaluate into ``record``; ``best.pth`` if the mAP improved. True: early stopping ends the run here (saved).
+    The train loader's prefetch thread reads no sample meanwhile (:data:`~spmd_rfdetr.data.batches.HOST_RNG`)."""
+    with HOST_RNG:
+        record.update(evaluation(step), evaluated_weights=saver.weights_kind)
     if evaluation.improved:
         saver.best(step, evaluation)
     if not evaluation.should_stop:

@@ -65,12 +65,8 @@ class EvalBatches(Sampler[list[int]]):
 def eval_loader(dataset: Dataset[Any], global_batch_size: int, resolution: int, num_workers: int = 0,
                 share: tuple[int, int] | None = None) -> DataLoader:
     """Sequential loader of padded static batches: this process's rows (``share``, default :func:`~spmd_rfdetr.
-    hosts.batch_share`) of every global batch of ``global_batch_size``.
-
-    Its own ``generator``: without one, every ``iter()`` of a DataLoader draws its base seed from torch's global RNG,
-    and ``fit`` evaluates while the training loader's prefetch thread reads samples seeded through that same global
-    RNG (:class:`~spmd_rfdetr.data.batches.SeededSamples`, ``num_workers=0``): a draw landing inside a sample's
-    augmentations changed that sample's flip or crop at random (the first train batch loaded during an evaluation)."""
+    hosts.batch_share`) of every global batch of ``global_batch_size``. Its ``iter()`` draws nothing from torch's
+    global RNG, which the train samples are seeded through (:data:`~spmd_rfdetr.data.batches.HOST_RNG`)."""
     share = hosts.batch_share() if share is None else share
     return DataLoader(
         dataset,
@@ -78,5 +74,5 @@ def eval_loader(dataset: Dataset[Any], global_batch_size: int, resolution: int, 
         num_workers=num_workers,
         collate_fn=EvalCollate(global_batch_size // share[1], resolution),
         persistent_workers=num_workers > 0,
-        generator=torch.Generator(),  # not torch's global RNG (see above)
+        generator=torch.Generator(),  # a DataLoader's iter() draws its base seed from this
     )

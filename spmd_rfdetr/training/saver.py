@@ -82,6 +82,6 @@ def finished(run: Run) -> tuple[Path, str] | None:
     step, stopped = meta["step"], bool(meta.get("early_stopped"))
     evaluated = run.eval_set is None or stopped or meta.get("evaluated_step") == step
     if (step >= run.cfg.trainer.max_steps or stopped) and evaluated and checkpoint.weight_file_step(last) == step:
-        why = "stopped early" if stopped else "is finished"
-        return last, f"this run {why} at step {step}{' (early stopping)' if stopped else ''}"
+        why = f"stopped early at step {step} (early stopping)" if stopped else f"is finished at step {step}"
+        return last, f"this run {why}"
     return None

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import signal
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +20,7 @@ import pytest
 import torch
 
 from support.models import LOOP_STEPS, loop_config
-from support.runs import read_metrics
+from support.runs import read_metrics, sigterm_when
 
 from spmd_rfdetr.training import loop
 from spmd_rfdetr.training.metrics import xla_counters
@@ -172,23 +169,9 @@ def test_a_sigterm_during_a_save_publishes_it_and_stops_after_the_next_step(tiny
     cfg.checkpointing.every_steps, cfg.checkpointing.keep = SAVE_EVERY, 2
     out = Path(cfg.trainer.output_dir)
     written = out / "checkpoints" / f".step_{SAVE_EVERY:08d}.partial" / "meta.json"  # written just before the pause
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.wait(0.02):
-            if written.exists():
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    with pytest.MonkeyPatch.context() as env:
+    with pytest.MonkeyPatch.context() as env, sigterm_when(written.exists):
         env.setenv("SPMD_RFDETR_TEST_PAUSE_BEFORE_PUBLISH_S", "1")
-        watcher.start()
-        try:
-            stopped = loop.fit(copy.deepcopy(cfg))
-        finally:
-            done.set()
-            watcher.join()
+        stopped = loop.fit(copy.deepcopy(cfg))
     stop_step = SAVE_EVERY + 1
     assert stopped == out / "checkpoints" / f"step_{stop_step:08d}"
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{s:08d}" for s in (SAVE_EVERY, stop_step)]

@@ -68,16 +68,21 @@ def assert_quiet(log: str) -> None:
         assert log.count(XLA_NOTE) == 1, log[-3000:]
 
 
+def sigterm_after(out: Path, step: int) -> contextlib.AbstractContextManager[None]:
+    """A real SIGTERM to this process once ``out``'s metrics have logged ``step``: an in-process ``fit`` finishes the
+    step in flight, saves the training state and returns, as on a preempted VM. ``step`` must come well before the
+    run's last step (after ``fit`` returns, SIGTERM would end pytest)."""
+    return sigterm_when(lambda: any(r["step"] >= step for r in read_metrics(out)))
+
+
 @contextlib.contextmanager
-def sigterm_after(out: Path, step: int) -> Iterator[None]:
-    """A real SIGTERM to this process once ``out``'s metrics have logged ``step`` (a watcher thread sends it): an
-    in-process ``fit`` finishes the step in flight, saves the training state and returns, as on a preempted VM.
-    ``step`` must come well before the run's last step (after ``fit`` returns, SIGTERM would end pytest)."""
+def sigterm_when(condition: Callable[[], bool]) -> Iterator[None]:
+    """A real SIGTERM to this process, sent once by a watcher thread as soon as ``condition()`` holds."""
     done = threading.Event()
 
     def watch() -> None:
         while not done.wait(0.05):
-            if any(r["step"] >= step for r in read_metrics(out)):
+            if condition():
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
 

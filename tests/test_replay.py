@@ -17,31 +17,13 @@ import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
 
-from support.models import EVAL_EVERY, FIT_WARMUP, LOOP_STEPS, loop_config
+from support.models import EVAL_EVERY, FIT_WARMUP, LOOP_STEPS, TRACE_STEPS
 from support.runs import read_metrics, sigterm_after
 from spmd_rfdetr.config.options import OptimOptions
 from spmd_rfdetr.training.metrics import xla_counters
 from spmd_rfdetr.training.optim import DeviceLRSchedule, lr_factor
-from spmd_rfdetr.xla.replay import Replayer, ReplayUnsafe
+from spmd_rfdetr.xla.replay import DONATE_ON_CPU_ENV, Replayer, ReplayUnsafe
 from spmd_rfdetr.training.step import TrainStep
-
-
-#: The trace-mode fit stops (a real SIGTERM, in process) once this step is logged: through warm-up into cosine, and
-#: before the CPU client's ulp drift grows through this fit's near-tied proposals (3 measured pairs: bit-equal losses
-#: to step 11 at least, then 2.5e-6 at step 12 and 3.9e-4 at step 13 in one of them).
-TRACE_STEPS = 8
-
-
-@pytest.fixture(scope="module")
-def trace_fit_run(tiny, synth_dir, tmp_path_factory):
-    """The loop fit's config in trace mode, stopped by a SIGTERM after :data:`TRACE_STEPS` steps (each step is
-    traced by Python and compiled code is looked up by hash: seconds per step, so not all of them)."""
-    from spmd_rfdetr.training import loop
-
-    cfg = loop_config(tiny, synth_dir, tmp_path_factory.mktemp("fit-trace"), "trace")
-    with sigterm_after(Path(cfg.trainer.output_dir), TRACE_STEPS):
-        loop.fit(cfg)
-    return Path(cfg.trainer.output_dir)
 
 
 @pytest.mark.slow
@@ -299,3 +281,29 @@ def test_a_program_dropped_from_the_compilation_cache_is_compiled_again(mesh_tra
     for size in range(1, COMPILATION_CACHE_SIZE + 2):  # more new programs than the cache holds
         torch.ones(size, device=torch_xla.device()).mul(3).sum().cpu()
     assert replayer(x).cpu().item() == 64.0 and replayer.traces == 2
+
+
+@pytest.mark.parametrize("setting", [None, "0"], ids=["default", "off"])
+def test_a_replay_donates_the_state_it_updates_unless_turned_off(mesh_trainer, monkeypatch, setting):
+    """By default (as on a TPU) the replayed program reuses the buffers of the state it updates for its results, on
+    XLA's CPU client too: a reference to the pre-step data is gone after the replay. With
+    ``SPMD_RFDETR_DONATE_ON_CPU=0`` that data stays readable."""
+    import torch_xla.core.xla_model as xm
+
+    if setting is None:
+        monkeypatch.delenv(DONATE_ON_CPU_ENV, raising=False)
+    else:
+        monkeypatch.setenv(DONATE_ON_CPU_ENV, setting)
+    weight = torch.zeros(4, device=torch_xla.device())
+    torch_xla.sync()
+    replayer = Replayer(lambda b: weight.add_(b["x"].sum(0)).sum(), lambda: [weight])
+    x = mesh_trainer.to_device({"x": torch.ones(8, 4)})
+    assert replayer(x).cpu().item() == 32.0  # traced and compiled (donating or not), then run
+    before = weight.detach()  # the pre-step data of the next replay
+    assert replayer(x).cpu().item() == 64.0
+    xm.wait_device_ops()
+    if setting is None:
+        with pytest.raises(RuntimeError, match="HasValue"):
+            before.cpu()
+    else:
+        assert before.cpu().tolist() == [8.0] * 4

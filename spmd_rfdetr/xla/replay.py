@@ -295,13 +295,13 @@ def _compile(program: Program, inputs: list[torch.Tensor], outputs: list[torch.T
     part of the graph hash, so the program's hash is taken again under the same config. Every execution of the
     compiled program then donates those inputs (PJRT follows the executable's aliasing).
 
-    Not on XLA's CPU client (:func:`donates_at_runtime`; the ``aot`` check lowers with the donors marked either way,
-    what a TPU compiles). There, a fit whose process compiled the donated program fresh trained its first replayed
-    step differently from trace mode (measured 2026-12-01, the test fit: loss 14.21569 vs 14.21702 at step 3, 1e-4;
-    a CLI process's first replayed step 8e-4 later), while fits in the same process that found the program cached
-    matched trace mode: a donation hazard of this path on that client, not found yet (identical runs without
-    donation differ only by the client's own ulp drift, tests/test_resume.py ``AFTER_RESUME``). ``pytest -m tpu``
-    checks a resumed fit bit for bit on the chip, where torch_xla donates as well."""
+    On XLA's CPU client too (:func:`donates_at_runtime`), so the suite runs the program a TPU runs. The differences
+    once blamed on donation here (2026-12-01: 1e-4 at a fit's first replayed step; 2026-12-06: step 6 of the
+    preempted run in about one run in three) were a host-side race, not this path: the loader's prefetch thread
+    seeded samples through torch's global RNG while an evaluation drew from it (``data.batches.HOST_RNG`` since).
+    With it fixed, 10 of 10 donated runs of that config trained step 6 as the undonated run does; a two-host fit
+    with one host donating and one not gives both the same losses bit for bit, as trace mode does
+    (tests/test_hosts.py ``test_donated_replay_equals_undonated_replay_and_trace_mode``)."""
     donated = program.donated(inputs) if donates_at_runtime() else []
     for value in donated:
         _X._set_buffer_donation(value, True)
@@ -314,13 +314,14 @@ def _compile(program: Program, inputs: list[torch.Tensor], outputs: list[torch.T
             _X._set_buffer_donation(value, False)
 
 
-#: ``1`` donates the training state on XLA's CPU client too (off there by default: see :func:`_compile`).
+#: ``0`` keeps the training state undonated on XLA's CPU client (donated there by default, as on a TPU: see
+#: :func:`_compile`); a TPU always donates.
 DONATE_ON_CPU_ENV = "SPMD_RFDETR_DONATE_ON_CPU"
 
 
 def donates_at_runtime() -> bool:
     """Whether the replayed program reuses the state's buffers for its outputs on this backend."""
-    return xr.device_type() != "CPU" or os.environ.get(DONATE_ON_CPU_ENV, "0") == "1"
+    return xr.device_type() != "CPU" or os.environ.get(DONATE_ON_CPU_ENV, "1") != "0"
 
 
 def _evicted(error: RuntimeError) -> bool:

@@ -14,8 +14,8 @@ from spmd_rfdetr.training.stops import SIGTERM_AT_STEP_ENV
 
 from jobs import JobInputs, job_fixture
 from support.models import (FIRST_STEPS, LOOP_MODEL, PREEMPTED_EVAL_EPOCHS, PREEMPTED_SIGTERM_STEP, TINY_MODEL,
-                            FirstSteps, MeshTrainer, Tiny, fit_config, loop_config, make_tiny)
-from support.runs import PreemptedRun, read_metrics, start_fit, wait_for
+                            TRACE_STEPS, FirstSteps, MeshTrainer, Tiny, fit_config, loop_config, make_tiny)
+from support.runs import PreemptedRun, read_metrics, sigterm_after, start_fit, wait_for
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -110,6 +110,18 @@ def loop_run(tiny: Tiny, synth_dir: str, tmp_path_factory: pytest.TempPathFactor
 
     cfg = loop_config(tiny, synth_dir, tmp_path_factory.mktemp("loop"), "replay")
     loop.fit(cfg)
+    return Path(cfg.trainer.output_dir)
+
+
+@pytest.fixture(scope="session")
+def trace_fit_run(tiny: Tiny, synth_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """:func:`loop_config` in trace mode, stopped by a real SIGTERM after :data:`TRACE_STEPS` steps (each step is
+    traced by Python and compiled code is looked up by hash: seconds per step, so not all of them)."""
+    from spmd_rfdetr.training import loop
+
+    cfg = loop_config(tiny, synth_dir, tmp_path_factory.mktemp("fit-trace"), "trace")
+    with sigterm_after(Path(cfg.trainer.output_dir), TRACE_STEPS):
+        loop.fit(cfg)
     return Path(cfg.trainer.output_dir)
 
 

@@ -18,7 +18,9 @@ from jobs import JobInputs, job_fixture
 from support.runs import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 20
+#: The fit's steps: what its tests read needs a replayed, evaluated run, not a trained one (OKS mAP >= 0; the
+#: drawing tests hold for any scores), so few (20 until 2026-12-06: ~1 min more of the suite).
+STEPS = 8
 SIZE = 72  # the synth images' size and the model's resolution: neither side resizes an image (synth: >= 64 px)
 VALID = 16
 
@@ -256,7 +258,7 @@ def test_predict_draws_keypoints_and_the_skeleton(keypoint_run: KeypointRun) -> 
         image = Image.open(original).convert("RGB")
         changed = changed_at_keypoints(np.asarray(image), np.asarray(draw.draw(image, [best], skeleton)), [best])
         assert changed and np.mean(changed) >= 0.8, (name, changed)
-        # the skeleton's edges, on the split's own keypoints (20 steps leave a detection's points on one spot)
+        # the skeleton's edges, on the split's own keypoints (a short fit leaves a detection's points on one spot)
         split_id = next(im["id"] for im in gt["images"] if im["file_name"] == name)
         truth = [{**a, "score": 1.0} for a in gt["annotations"] if a["image_id"] == split_id]
         vertices_only, full = np.asarray(draw.draw(image, truth)), np.asarray(draw.draw(image, truth, skeleton))

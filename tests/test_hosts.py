@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -60,11 +59,20 @@ out["rows"] = [next(batches) for _ in range(6)]
 import torch
 out["gathered"] = hosts.gather_rows(torch.tensor([10 * rank, 10 * rank + 1]), share=(rank, count)).tolist()
 import pathlib
-from spmd_rfdetr.xla.runtime import shared_by_all_hosts
+from spmd_rfdetr.xla.hosts import shared_by_all_hosts
 cache = pathlib.Path(sys.argv[5])
 (cache / "shared").mkdir(parents=True, exist_ok=True)
 (cache / f"own{rank}").mkdir(parents=True)
 out["cache_shared"] = [shared_by_all_hosts(cache / "shared"), shared_by_all_hosts(cache / f"own{rank}")]
+from spmd_rfdetr.config.options import ConfigError
+from spmd_rfdetr.training.setup import check_output_dir_shared
+out["output_dir_errors"] = []
+for output_dir in (cache / "out-shared", cache / f"out-own{rank}"):  # what fit checks before it resumes or builds
+    try:
+        check_output_dir_shared(output_dir)
+        out["output_dir_errors"].append(None)
+    except ConfigError as error:
+        out["output_dir_errors"].append(str(error))
 from spmd_rfdetr.eval.coco import CocoMetrics
 from spmd_rfdetr.eval.evaluator import EvalResult, save_result
 metrics = CocoMetrics({"mAP": 0.5}, [], num_images=1, num_detections=1)
@@ -123,6 +131,12 @@ def test_two_gloo_hosts_agree_on_stop_and_sizes_and_split_the_global_batch(tmp_p
     # the compile cache: a directory both hosts mount vs each VM's own (the default ~/.cache): then every host writes
     assert [r["cache_shared"] for r in results] == [[True, False]] * 2
     assert not [p for p in (tmp_path.parent / f"{tmp_path.name}-cache").rglob(".spmd_rfdetr-host0-*")]  # cleaned up
+    # trainer.output_dir: one every host writes, or a ConfigError on every host naming it (a checkpoint written to
+    # each VM's own disk is incomplete on host 0's)
+    for rank, r in enumerate(results):
+        shared, own = r["output_dir_errors"]
+        assert shared is None and own.startswith(f"trainer.output_dir: {tmp_path.parent / f'{tmp_path.name}-cache'}"
+                                                  f"/out-own{rank} is not one directory of all 2 hosts"), own
     assert [r["any_on_host_1"] for r in results] == [True, True]
     assert [r["any_on_none"] for r in results] == [False, False]
     assert [r["sigterm_here"] for r in results] == [False, True]  # the real signal reached host 1 only ...
@@ -158,35 +172,38 @@ def test_the_minibatch_path_builds_the_global_batch_as_the_global_path():
 
 
 @job_fixture
-def two_hosts_fit(inputs: JobInputs, out: Path) -> list[tuple[subprocess.CompletedProcess[str], Path]]:
+def two_hosts_fit(inputs: JobInputs, out: Path) -> tuple[list[subprocess.CompletedProcess[str]], Path]:
     """:data:`HOST_FIT` in two processes of one gloo group: the loop fit's config for :data:`HOST_FIT_STEPS` steps,
-    evaluated at the end, each host with its own output directory. Host 0 donates the replayed step's state, as
-    every TPU does; host 1 does not (``SPMD_RFDETR_DONATE_ON_CPU=0``): the suite's undonated arm, at no extra cost."""
+    evaluated at the end, into one output directory (as on a pod: a directory every host mounts). Host 0 donates the
+    replayed step's state, as every TPU does; host 1 does not (``SPMD_RFDETR_DONATE_ON_CPU=0``): the suite's
+    undonated arm, at no extra cost."""
     port, count = free_port(), 2
     env = {**inputs.env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
     donating = [{**env, DONATE_ON_CPU_ENV: "1"}, {**env, DONATE_ON_CPU_ENV: "0"}]
-    dirs = [out / f"host{rank}" for rank in range(count)]
+    shared = out / "run"
     procs = [subprocess.Popen([sys.executable, "-c", HOST_FIT, str(rank), str(count), str(port), "--config",
-                               str(inputs.loop_config), "--trainer.output_dir", str(dirs[rank]),
+                               str(inputs.loop_config), "--trainer.output_dir", str(shared),
                                "--trainer.max_steps", str(HOST_FIT_STEPS), "--eval.every_steps", str(HOST_FIT_STEPS)],
                               cwd=ROOT, env=donating[rank], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
              for rank in range(count)]
     done = []
-    for proc, directory in zip(procs, dirs):
+    for proc in procs:
         stdout, stderr = proc.communicate(timeout=900)
-        done.append((subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), directory))
-    return done
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    return done, shared
 
 
 @pytest.mark.slow
 def test_two_hosts_fit_and_evaluate_as_one_host_with_a_gloo_default_group(two_hosts_fit, loop_run, synth_dir):
     """Each of two hosts in one gloo group trains the loop fit's first steps with the losses of the one-host fit
     (conftest's ``loop_run``, the same config, mesh and batches) bit for bit, in one replayed program; both evaluate
-    every image of the split once, with the same result; host 0 alone writes files. Fails when a host loads only
-    its gloo share of the rows (half the batch here), or when a collective of rfdetr's reaches the traced step."""
+    every image of the split once, with the same result; host 0 writes the run's files, each host its shards of the
+    final checkpoint, which host 0 publishes whole. Fails when a host loads only its gloo share of the rows (half the
+    batch here), or when a collective of rfdetr's reaches the traced step."""
+    procs, shared = two_hosts_fit
     results = []
-    for proc, _ in two_hosts_fit:
+    for proc in procs:
         assert proc.returncode == 0, proc.stderr[-4000:]
         results.append(json.loads(proc.stdout.split("RESULT", 1)[1]))
     reference = [r["loss"] for r in read_metrics(loop_run)[:HOST_FIT_STEPS]]
@@ -198,16 +215,14 @@ def test_two_hosts_fit_and_evaluate_as_one_host_with_a_gloo_default_group(two_ho
         assert {x["step_mode"] for x in records} == {"replay"} and records[-1]["step_traces"] == 2
         evals.append({k: v for k, v in records[-1].items() if k.startswith("eval/")})
     assert evals[0] == evals[1] and evals[0]["eval/mAP"] >= 0, evals
-    host0, host1 = (directory for _, directory in two_hosts_fit)
-    summary = json.loads(next((host0 / "eval").glob("*coco_eval.json")).read_text())
+    summary = json.loads(next((shared / "eval").glob("*coco_eval.json")).read_text())
     valid = json.loads((Path(synth_dir) / "valid" / "_annotations.coco.json").read_text())
     assert summary["num_images"] == len(valid["images"]), summary  # every image once, no padding row scored
-    assert (host0 / "last.pth").is_file() and (host0 / "metrics.jsonl").is_file()
-    final = f"step_{HOST_FIT_STEPS:08d}"  # the last step's checkpoint: each host writes its own shards into it
-    assert (host0 / "checkpoints" / final / "meta.json").is_file()
-    # host 1 writes its shards (here into its own output_dir; a pod's is one every host writes) and nothing else
-    shards = {p.relative_to(host1).as_posix() for p in host1.rglob("*") if p.is_file()}
-    assert shards and all(re.fullmatch(rf"checkpoints/\.{final}\.partial/__1_\d+\.distcp", p) for p in shards), shards
+    assert (shared / "last.pth").is_file() and [r["step"] for r in read_metrics(shared)] == [1, 2, 3, 4]  # once each
+    final = shared / "checkpoints" / f"step_{HOST_FIT_STEPS:08d}"  # each host wrote its shards, host 0 published it
+    files = sorted(p.name for p in final.iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"], files  # __<host>_<writer>
+    assert not list((shared / "checkpoints").glob(".*partial"))
 
 
 @pytest.mark.slow
@@ -221,7 +236,7 @@ def test_donated_replay_equals_undonated_replay_and_trace_mode(two_hosts_fit, lo
     And the arms are what they say: torch_xla's ``InputOutputAliasCount`` shows host 0 compiling a program that
     donates at least the weights and both AdamW moments (measured: 576 inputs for 113 trainable parameters), and
     host 1 none that does."""
-    donated, undonated = (json.loads(proc.stdout.split("RESULT", 1)[1]) for proc, _ in two_hosts_fit)
+    donated, undonated = (json.loads(proc.stdout.split("RESULT", 1)[1]) for proc in two_hosts_fit[0])
     replay, trace = ([r["loss"] for r in read_metrics(run)[:TRACE_STEPS]] for run in (loop_run, trace_fit_run))
     assert len(replay) == len(trace) == TRACE_STEPS and replay == trace, (replay, trace)
     hosts_losses = [[r["loss"] for r in host["records"]] for host in (donated, undonated)]

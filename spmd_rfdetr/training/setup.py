@@ -70,6 +70,20 @@ class Run:
         return self.cfgs.without_weights() if self.resume_from else self.cfgs
 
 
+def check_output_dir_shared(out: Path) -> None:
+    """On several hosts ``trainer.output_dir`` must be one directory they all write: each host writes its shards of
+    every checkpoint there and host 0 publishes it, and ``resume auto`` must find the same checkpoint on each. A
+    directory of each VM's own would leave every checkpoint incomplete, silently: a ConfigError instead."""
+    if hosts.process_count() == 1:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    if not hosts.shared_by_all_hosts(out):
+        raise ConfigError(f"trainer.output_dir: {out} is not one directory of all {hosts.process_count()} hosts (each "
+                          "VM has its own): every host writes its part of each checkpoint there, so host 0's "
+                          "checkpoints would be incomplete. Set trainer.output_dir to a directory every host mounts "
+                          "(Filestore/NFS, or a gcsfuse bucket).")
+
+
 def prepare(cfg: RunConfig) -> Run:
     """Check, size and lay out the run before anything is built (``setup_runtime`` has run)."""
     resolve_and_check(cfg, xr.global_runtime_device_count())
@@ -80,6 +94,7 @@ def prepare(cfg: RunConfig) -> Run:
         if problem:
             raise ConfigError(problem)
     out = Path(t.output_dir)
+    check_output_dir_shared(out)  # before resume picks a checkpoint: every host must find the same one
     resume_from = checkpoint.latest(out) if t.resume == "auto" else t.resume
     if resume_from:  # the checkpoint holds every weight: the starting weights are neither fetched nor loaded
         log.info("resuming from %s: model.pretrain_weights is not read", resume_from)

@@ -22,10 +22,14 @@ alone writes ``metrics.jsonl``, the logger files, ``config.yaml``, ``last.pth``/
 CPU state dict, so a gather runs on all of them), the eval files, ``predict``'s output, and new entries of a shared
 persistent compilation cache (the other hosts open it read-only).
 
+``trainer.output_dir`` must be one directory every host writes (:func:`shared_by_all_hosts`, checked before ``fit``
+resumes or builds anything): on each VM's own disk, host 0's checkpoints would lack the other hosts' shards.
+
 Tested (``tests/test_hosts.py``): two real processes in one gloo group each run ``fit`` (the loop model, 4 steps, an
-eval at the end) with the losses of the one-process run bit for bit, one replayed program, every eval image scored
-once, and only host 0's files written; two processes agree on the stop flag after a real SIGTERM to one of them,
-refuse different dataset sizes, and their row slices put together are the one-host batches (train and eval). Not
+eval at the end, one output directory) with the losses of the one-process run bit for bit, one replayed program,
+every eval image scored once, host 0 writing the run's files and both hosts' shards in the published checkpoint; two
+processes agree on the stop flag after a real SIGTERM to one of them, refuse different dataset sizes and an
+output directory of each host's own, and their row slices put together are the one-host batches (train and eval). Not
 tested, and what is left for a real pod slice: one mesh over several processes. torch_xla 2.9 cannot run one SPMD mesh
 across CPU processes (its PJRT CPU client has no distributed key-value store), so in the test each process's runtime
 drives its own whole mesh and loads every row; the assembly of a global array from two hosts' slices, the gathers
@@ -34,7 +38,9 @@ behind ``last.pth`` with ``fsdp`` shards on another host and the read-only cache
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -217,3 +223,20 @@ def from_coordinator(make: Callable[[], bytes]) -> bytes:
         return b""
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(size, dtype=torch.uint8)
     return funcol.wait_tensor(funcol.broadcast(data, 0, dist.group.WORLD)).numpy().tobytes()
+
+
+def shared_by_all_hosts(path: Path) -> bool:
+    """Whether every host sees host 0's ``path`` (a shared mount) rather than a directory of its own: host 0 writes
+    a marker named by a token it sends to all, every host looks for it (a collective; one host: ``True``)."""
+    if process_count() == 1:
+        return True
+    token = from_coordinator(lambda: uuid.uuid4().hex.encode()).decode()
+    marker = path / f".spmd_rfdetr-host0-{token}"
+    if is_coordinator():
+        marker.write_text(token)
+    barrier()
+    shared = not any_host(not marker.exists())
+    barrier()
+    if is_coordinator():
+        marker.unlink(missing_ok=True)
+    return shared

@@ -6,19 +6,18 @@ a restarted or resumed run loads its graphs instead of compiling them (``xla_cac
 ``metrics.jsonl``; ``pytest -m tpu`` checks a second run misses nothing). It is off on the XLA CPU backend, where
 torch_xla 2.9 cannot read its own entries back (``PersistentCacheDeserializeFailure``). With several hosts and a
 directory they all mount, host 0 writes new entries and the others open it read-only; a directory that is each VM's
-own (the default, on its local disk) is written by every host, with a warning (:func:`shared_by_all_hosts`).
+own (the default, on its local disk) is written by every host, with a warning (:func:`~spmd_rfdetr.xla.hosts.shared_by_all_hosts`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import uuid
 from pathlib import Path
 
 from spmd_rfdetr.config.options import MeshOptions
 from spmd_rfdetr.quiet import xla_note
-from spmd_rfdetr.xla.hosts import any_host, barrier, from_coordinator, is_coordinator, join_hosts, process_count
+from spmd_rfdetr.xla.hosts import is_coordinator, join_hosts, process_count, shared_by_all_hosts
 
 log = logging.getLogger(__name__)
 
@@ -75,20 +74,3 @@ def _compile_cache(cache_dir: str | None, writer: bool) -> str | None:
     log.info("persistent XLA compilation cache: %s (a run with the same graphs loads them instead of compiling%s)", path,
              "" if writer else "; read-only on this host, host 0 writes")
     return path
-
-
-def shared_by_all_hosts(path: Path) -> bool:
-    """Whether every host sees host 0's ``path`` (a shared mount) rather than a directory of its own: host 0 writes
-    a marker named by a token it sends to all, every host looks for it (a collective; one host: ``True``)."""
-    if process_count() == 1:
-        return True
-    token = from_coordinator(lambda: uuid.uuid4().hex.encode()).decode()
-    marker = path / f".spmd_rfdetr-host0-{token}"
-    if is_coordinator():
-        marker.write_text(token)
-    barrier()
-    shared = not any_host(not marker.exists())
-    barrier()
-    if is_coordinator():
-        marker.unlink(missing_ok=True)
-    return shared

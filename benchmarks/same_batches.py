@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
 
 def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_kind: str = "upstream",
                          states_at: frozenset[int] = frozenset(), steps: int | None = None,
-                         on_xla: bool = False, flush_denormal: bool = False) -> dict:
+                         on_xla: bool = False, flush_denormal: bool = False, autocast_bf16: bool = False) -> dict:
     """Upstream's step on ``run``'s batches from ``run``'s initial weights; returns the losses and the EMA file.
     ``perturb``: every initial weight times ``1 + perturb * N(0, 1)`` (a control: how far two runs of the same step
     on the same batches part when they start a rounding error apart). ``criterion_kind="ours"``: our batched
@@ -52,7 +52,8 @@ def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_k
     the costs; capturable AdamW with the LR factor as device tensors, :class:`DeviceLRSchedule`, since a float LR
     changing per step would compile a graph per step; the EMA on a CPU copy): upstream's code with XLA's rounding.
     ``flush_denormal``: eager CPU arithmetic flushes denormal floats to zero (``torch.set_flush_denormal``), as XLA's
-    CPU backend does."""
+    CPU backend does. ``autocast_bf16``: the model's forward under eager bf16 autocast, the loss in float32, as our
+    ``trainer.precision: bf16`` step splits them (PyTorch's own bf16 rounding, the reference for ours)."""
     import torch
     from lightning_fabric.utilities.seed import seed_everything
     from rfdetr.training.callbacks.ema import RFDETREMACallback
@@ -65,6 +66,7 @@ def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_k
     from spmd_rfdetr.data.splits import build_split, num_classes_in
     from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
     from spmd_rfdetr.training.optim import build_optimizer, lr_factor
+    from spmd_rfdetr.training.step import _to_float
 
     cfg = run_config(["--config", str(run / "config.yaml")])
     d, o, t = cfg.data, cfg.optim, cfg.trainer
@@ -122,7 +124,9 @@ def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_k
                 targets = [{k: v.to(device) for k, v in target.items()}
                            for target in pad_targets_to_fixed_count(targets, batch["labels"].shape[1])]
                 samples = samples.to(device)
-            loss_dict = criterion(net(samples, targets), targets)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+                outputs = net(samples, targets)
+            loss_dict = criterion(_to_float(outputs) if autocast_bf16 else outputs, targets)
             loss = torch.stack([loss_dict[k] * w for k, w in criterion.weight_dict.items() if k in loss_dict]).sum()
         loss.backward()
         if step in states_at:
@@ -205,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help="stop after this many steps (no EMA, no score: for --states-at)")
     p.add_argument("--xla", action="store_true", help="upstream's step on one XLA CPU device (XLA's rounding)")
     p.add_argument("--flush-denormal", action="store_true", help="eager CPU flushes denormals to zero (as XLA's does)")
+    p.add_argument("--autocast-bf16", action="store_true",
+                   help="the forward under eager bf16 autocast, the loss in float32 (as trainer.precision: bf16)")
     p.add_argument("--collect", type=Path, help="a dir of finished arms (each --out)")
     p.add_argument("--into", type=Path, help="with --collect: the comparison JSON to add them to")
     args = p.parse_args(argv)
@@ -212,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         collect(args.collect, args.into)
         return 0
     result = train_on_run_batches(args.run, args.out, args.perturb, args.criterion, args.states_at, args.steps,
-                                  args.xla, args.flush_denormal)
+                                  args.xla, args.flush_denormal, args.autocast_bf16)
     if args.steps is not None:
         (args.out / "result.json").write_text(json.dumps({**result, "run": str(args.run)}, indent=1))
         return 0

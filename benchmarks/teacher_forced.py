@@ -12,6 +12,10 @@ some point of the run; rounding alone keeps every point near step 1's.
 
     python benchmarks/same_batches.py --run RUN --out ARM --states-at 1,10,20,30 --steps 30
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python benchmarks/teacher_forced.py --run RUN --states ARM/states --json OUT.json
+
+``--precision bf16`` runs our step as the TPU recipes train (bf16 autocast, fp32 weights) against the same eager
+float32 states: issue 50's step-1 fidelity. Every row also has the gradient's error per parameter group
+(:data:`GROUPS`): the relative L2 error and the cosine of each group's share of the unit-normalised gradients.
 """
 
 from __future__ import annotations
@@ -29,14 +33,40 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def compare(run: Path, states: list[Path], step_mode: str = "trace") -> list[dict]:
-    """Our step from each saved state's weights on its step's batch, against the saved eager loss and gradients."""
+#: Parameter groups of the per-group gradient errors: (name prefix, group); a name takes the first prefix it starts with.
+GROUPS = (("backbone.0.encoder", "backbone (DINOv2)"), ("backbone.0.projector", "projector"),
+          ("transformer.decoder", "decoder"), ("transformer.enc_", "two-stage"), ("", "heads and queries"))
+
+
+def group_of(name: str) -> str:
+    return next(group for prefix, group in GROUPS if name.startswith(prefix))
+
+
+def group_errors(ours: dict[str, Any], ref: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per :data:`GROUPS` group: the relative L2 error of ``ours`` against ``ref`` and their cosine (unit-normalised
+    gradients, float64)."""
+    rows = {}
+    for _, group in GROUPS:
+        names = [n for n in ref if group_of(n) == group]
+        if not names:
+            continue
+        dot = sum(float((ours[n] * ref[n]).sum()) for n in names)
+        a, b = _norm(ours[n] for n in names), _norm(ref[n] for n in names)
+        rows[group] = {"params": len(names), "rel_l2": _norm(ours[n] - ref[n] for n in names) / b,
+                       "cosine": dot / (a * b)}
+    return rows
+
+
+def compare(run: Path, states: list[Path], step_mode: str = "trace", precision: str | None = None) -> list[dict]:
+    """Our step from each saved state's weights on its step's batch, against the saved eager loss and gradients
+    (our step in ``precision``, default the run's)."""
     from spmd_rfdetr.cli import run_config
     from spmd_rfdetr.xla.runtime import setup_runtime
 
     with tempfile.TemporaryDirectory(prefix="teacher_forced_") as scratch:  # fit's start-up writes config.yaml there
         cfg = run_config(["--config", str(run / "config.yaml"), "--trainer.step_mode", step_mode,
-                          "--data.num_workers", "0", "--trainer.output_dir", scratch])
+                          "--data.num_workers", "0", "--trainer.output_dir", scratch,
+                          *(["--trainer.precision", precision] if precision else [])])
         setup_runtime(cfg.mesh, None)
         # lazy: torch_xla starts on the device setup_runtime chose
         from spmd_rfdetr.training import setup
@@ -76,7 +106,8 @@ def _compare(run: Any, states: list[Path]) -> list[dict]:
                "loss_rel_error": abs(stats["loss"] - state["loss"]) / abs(state["loss"]),
                "grad_norm_ours": stats["grad_norm"], "grad_norm_upstream": _norm(state["grads"][n] for n in shared),
                "grad_direction_rel_l2": err, "params_compared": len(shared),
-               "params_only_upstream": len(state["grads"]) - len(shared), "worst_param": worst}
+               "params_only_upstream": len(state["grads"]) - len(shared), "worst_param": worst,
+               "precision": t.precision, "groups": group_errors(ours, ref)}
         if "after" in state:  # the update: ours (weights after - before) against upstream's AdamW step's
             before = state["weights"]
             differences = [p.detach().cpu().double() - state["after"][n].double() for n, p in net.named_parameters()]
@@ -85,6 +116,27 @@ def _compare(run: Any, states: list[Path]) -> list[dict]:
             row["update_size"] = ref_size
         rows.append(row)
         print(json.dumps(row), flush=True)
+    return rows
+
+
+def compare_saved(states: list[Path], others: list[Path]) -> list[dict]:
+    """Saved eager states against saved eager states of the same steps (e.g. ``same_batches.py --autocast-bf16``
+    against its float32 run: PyTorch's own bf16 rounding, the reference for our bf16 step's)."""
+    import torch
+
+    rows = []
+    for path, other in zip(states, others, strict=True):
+        ref, alt = torch.load(path, weights_only=False), torch.load(other, weights_only=False)
+        assert ref["step"] == alt["step"], (path, other)
+        shared = [n for n in alt["grads"] if n in ref["grads"]]
+        ours, theirs = _unit({n: alt["grads"][n] for n in shared}), _unit({n: ref["grads"][n] for n in shared})
+        rows.append({"step": ref["step"], "loss_ours": alt["loss"], "loss_upstream": ref["loss"],
+                     "loss_rel_error": abs(alt["loss"] - ref["loss"]) / abs(ref["loss"]),
+                     "grad_norm_ours": _norm(alt["grads"][n] for n in shared),
+                     "grad_norm_upstream": _norm(ref["grads"][n] for n in shared),
+                     "grad_direction_rel_l2": _norm(ours[n] - theirs[n] for n in shared),
+                     "params_compared": len(shared), "groups": group_errors(ours, theirs)})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -121,14 +173,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", type=Path, required=True, help="the fit run whose batches the states were trained on")
     p.add_argument("--states", type=Path, required=True, help="same_batches.py's OUT/states")
     p.add_argument("--step-mode", default="trace", help="the step's trainer.step_mode (fit's default: replay)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), help="our step's trainer.precision (default: the run's)")
+    p.add_argument("--eager-states", type=Path,
+                   help="another same_batches.py OUT/states to compare with --states instead of our step")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     os.environ.setdefault("CPU_NUM_DEVICES", "4")
     states = sorted(args.states.glob("step_*.pt"), key=lambda f: int(f.stem.split("_")[1]))
-    rows = compare(args.run, states, args.step_mode)
+    if args.eager_states:
+        rows = compare_saved(states, sorted(args.eager_states.glob("step_*.pt"), key=lambda f: int(f.stem.split("_")[1])))
+    else:
+        rows = compare(args.run, states, args.step_mode, args.precision)
     if args.json:
-        args.json.write_text(json.dumps({"run": str(args.run), "states": str(args.states), "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"run": str(args.run), "states": str(args.states), "precision": args.precision,
+                                         "eager_states": args.eager_states and str(args.eager_states), "rows": rows},
+                                        indent=1))
     return 0
 
 

@@ -6,7 +6,8 @@ a restarted or resumed run loads its graphs instead of compiling them (``xla_cac
 ``metrics.jsonl``; ``pytest -m tpu`` checks a second run misses nothing). It is off on the XLA CPU backend, where
 torch_xla 2.9 cannot read its own entries back (``PersistentCacheDeserializeFailure``). With several hosts and a
 directory they all mount, host 0 writes new entries and the others open it read-only; a directory that is each VM's
-own (the default, on its local disk) is written by every host, with a warning (:func:`~spmd_rfdetr.xla.hosts.shared_by_all_hosts`).
+own (the default, on its local disk) is written by every host, with a warning
+(:func:`~spmd_rfdetr.xla.hosts.shared_by_all_hosts`).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-#: Parameter groups of the per-group gradient errors: (name prefix, group); a name takes the first prefix it starts with.
+#: The per-group gradient errors' groups: (name prefix, group); a name takes the first prefix it starts with.
 GROUPS = (("backbone.0.encoder", "backbone (DINOv2)"), ("backbone.0.projector", "projector"),
           ("transformer.decoder", "decoder"), ("transformer.enc_", "two-stage"), ("", "heads and queries"))
 
@@ -168,6 +168,11 @@ def _load_optimizer(trainer: Any, saved: dict, step: int, cfg: Any) -> None:
     trainer.schedule.step_count.fill_(step - 1)
 
 
+def saved_states(folder: Path) -> list[Path]:
+    """``same_batches.py``'s ``OUT/states`` files in step order."""
+    return sorted(folder.glob("step_*.pt"), key=lambda f: int(f.stem.split("_")[1]))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", type=Path, required=True, help="the fit run whose batches the states were trained on")
@@ -180,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     os.environ.setdefault("CPU_NUM_DEVICES", "4")
-    states = sorted(args.states.glob("step_*.pt"), key=lambda f: int(f.stem.split("_")[1]))
+    states = saved_states(args.states)
     if args.eager_states:
-        rows = compare_saved(states, sorted(args.eager_states.glob("step_*.pt"), key=lambda f: int(f.stem.split("_")[1])))
+        rows = compare_saved(states, saved_states(args.eager_states))
     else:
         rows = compare(args.run, states, args.step_mode, args.precision)
     if args.json:

@@ -57,6 +57,19 @@ def last_eval(run: Path) -> dict[str, Any]:
             "raw_mAP": ev.get("eval/raw_mAP"), "raw_mAP50": ev.get("eval/raw_mAP50")}
 
 
+def finetune_args(data_b: Path, pretrain: Path, run: Path, seed: int, epochs: float, warmup_epochs: float,
+                  batch: int = B0, mult: float = 1.0, base_model: bool = True) -> list[str]:
+    """``fit``'s options (after :data:`MODEL`) of one fine-tune from the checkpoint ``pretrain`` on the set ``data_b``
+    into ``run``: ``epochs`` passes, ``warmup_epochs`` of them warm-up, then cosine; rfdetr's LR x ``mult``; one
+    evaluation at the end (``base_model``: of the raw weights too)."""
+    return ["--data.dataset_dir", str(data_b), "--trainer.output_dir", str(run),
+            "--model.pretrain_weights", str(pretrain), "--data.global_batch_size", str(batch),
+            "--optim.lr", repr(BASE_LR * mult), "--optim.lr_encoder", repr(BASE_LR_ENCODER * mult),
+            "--optim.warmup_epochs", str(warmup_epochs), "--optim.schedule", "cosine", "--trainer.epochs",
+            str(epochs), "--eval.every_steps", "0", "--eval.every_epochs", str(epochs), "--eval.base_model",
+            "true" if base_model else "false", "--trainer.seed", str(seed)]
+
+
 def child(a: argparse.Namespace) -> None:
     """Runs the pretraining (arm ``pretrain``) or one arm's seeds, in this process; each run writes result.json."""
     out = a.out
@@ -73,13 +86,8 @@ def child(a: argparse.Namespace) -> None:
         if (run / "result.json").exists():
             continue
         lr, lr_enc = BASE_LR * mult, BASE_LR_ENCODER * mult
-        wall = fit_in_process([
-            "--data.dataset_dir", str(a.data / "B"), "--trainer.output_dir", str(run),
-            "--model.pretrain_weights", str(out / "pretrain" / "last.pth"), "--data.global_batch_size", str(batch),
-            "--optim.lr", repr(lr), "--optim.lr_encoder", repr(lr_enc), "--optim.warmup_epochs",
-            str(a.warmup_epochs), "--optim.schedule", "cosine", "--trainer.epochs", str(a.epochs),
-            "--eval.every_steps", "0", "--eval.every_epochs", str(a.epochs), "--eval.base_model", "true",
-            "--trainer.seed", str(seed)])
+        wall = fit_in_process(finetune_args(a.data / "B", out / "pretrain" / "last.pth", run, seed, a.epochs,
+                                            a.warmup_epochs, batch, mult))
         result = {"arm": a._arm, "seed": seed, "batch": batch, "lr": lr, "lr_encoder": lr_enc, **last_eval(run),
                   "wall_s": round(wall, 1)}
         (run / "result.json").write_text(json.dumps(result))

@@ -120,6 +120,8 @@ def upstream_train_kwargs(cfg: Any, epochs: int, steps_per_epoch: int, eval_epoc
     model = {"pretrain_weights": ours.pretrain_weights, "resolution": ours.resolution,
              "num_queries": ours.num_queries, "num_select": ours.num_select, "group_detr": ours.group_detr,
              "dec_layers": ours.dec_layers}
+    if m.backbone_blocks is not None:  # the DINOv2 depth itself: run_upstream_trainer builds it
+        model["out_feature_indexes"] = ours.out_feature_indexes
     train = {
         "dataset_dir": d.dataset_dir, "epochs": epochs, "batch_size": d.global_batch_size, "grad_accum_steps": 1,
         "lr": o.lr, "lr_encoder": o.lr_encoder, "weight_decay": o.weight_decay,
@@ -148,17 +150,28 @@ def upstream_train_kwargs(cfg: Any, epochs: int, steps_per_epoch: int, eval_epoc
 def upstream_train(config: str, data: Path, epochs: int, eval_epochs: int, seed: int, max_dets: int,
                    out: Path, match_lr: bool = False) -> None:
     """Child: rfdetr's own trainer on ``config``'s recipe (a process without torch_xla)."""
-    import rfdetr
-
     from spmd_rfdetr.cli import run_config
-    from spmd_rfdetr.config.options import VARIANT_CONFIGS, resolved_weights
+    from spmd_rfdetr.config.options import resolved_weights
 
     cfg = run_config(["--config", config, "--data.dataset_dir", str(data), "--eval.max_dets", str(max_dets)])
     cfg.model.pretrain_weights = resolved_weights(cfg.model)
     steps_per_epoch = _train_images(data) // cfg.data.global_batch_size
     model, train = upstream_train_kwargs(cfg, epochs, steps_per_epoch, eval_epochs, seed, out, match_lr)
+    run_upstream_trainer(cfg, model, train)
+
+
+def run_upstream_trainer(cfg: Any, model: dict[str, Any], train: dict[str, Any]) -> None:
+    """``RFDETR<Variant>(**model).train(**train)`` (:func:`upstream_train_kwargs`), its DINOv2 built with
+    ``cfg.model.backbone_blocks`` blocks as ours is (rfdetr reads the depth from its JSON config, no option: the same
+    patch as our builder's, :func:`spmd_rfdetr.model.upstream.dinov2_blocks`, around its builds)."""
+    import rfdetr
+
+    from spmd_rfdetr.config.options import VARIANT_CONFIGS
+    from spmd_rfdetr.model.upstream import dinov2_blocks
+
     cls = getattr(rfdetr, VARIANT_CONFIGS[cfg.model.variant].replace("Config", ""))
-    cls(**model).train(**train)
+    with dinov2_blocks(cfg.model.backbone_blocks):
+        cls(**model).train(**train)
 
 
 def _train_images(data: Path) -> int:

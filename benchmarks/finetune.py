@@ -1,0 +1,255 @@
+#!/usr/bin/env python
+"""Fine-tuning accuracy yardstick (issue 50): ours against upstream rfdetr's own trainer, and bf16 against fp32.
+
+    python benchmarks/finetune.py --arms ours upstream ours-bf16 --seeds 1 2 3 4 5 6 7 8  # 1-7 min a run, 2 cores
+
+Reuses ``benchmarks/batch_lr.py``'s sets and checkpoint (``--pretrain``: its ``pretrain/last.pth``, the tiny Nano cut
+to 6 DINOv2 blocks at 64 px, pretrained on set A; ``--data``: its sets A and B, written by ``batch_lr.py`` if missing).
+Per seed, one fine-tune from that checkpoint on B per arm, 4 passes (1 of warm-up, then cosine to 0.05), batch 8,
+rfdetr's LR (1e-4 decoder, 1.5e-4 encoder):
+
+- ``ours``: ``fit`` on the 4-device CPU mesh, exactly as ``batch_lr.py``'s ``b8`` arm (fp32); its ``last.pth`` (EMA);
+- ``ours-bf16``: the same with ``--trainer.precision bf16`` (autocast, fp32 weights: how the TPU recipes train);
+- ``upstream``: rfdetr's own trainer, ``RFDETRNano(...).train(pretrain_weights=<the same checkpoint>, ...)`` (eager,
+  CPU, a process without torch_xla), given our recipe and our LR factor per step (``convergence.py``'s
+  ``upstream_train_kwargs(match_lr=True)``); its DINOv2 built with 6 blocks by the patch our builder uses
+  (``run_upstream_trainer``); its ``last_ema.pth``. Before it trains, its Lightning module's weights are checked
+  against the checkpoint (every key, shape and value) and against the model ``fit`` builds (``verify.json``).
+
+Every arm's final EMA weights are scored the same way: upstream's eager model, PostProcess and CocoEvaluator
+(``convergence.eager_stats``) on B's valid split (256 images, maxDets 100), with the pretraining run's config pointed
+at B. Runs land in ``--out`` (a run with ``score.json`` is reused); before each training run the script waits while
+``/tmp/cores_reserved`` exists, and starts none after ``--deadline``. Writes ``benchmarks/results/finetune-<date>.
+{json,png}``: per run arm, seed, mAP, mAP50, wall s; per arm mean, sample std, standard error; the gaps ours -
+upstream and ours-bf16 - ours with the standard error of the difference, sqrt(se_a^2 + se_b^2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from batch_lr import MODEL, fit_in_process, finetune_args, last_eval, spread  # noqa: E402
+from convergence import (NOT_MATCHED, _env_without_xla, eager_stats, run_upstream_trainer,  # noqa: E402
+                         upstream_train_kwargs)
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = {"ours": [], "upstream": None, "ours-bf16": ["--trainer.precision", "bf16"]}
+RESERVED = Path("/tmp/cores_reserved")
+#: (arm, reference arm) pairs whose mean gap is reported
+GAPS = [("ours", "upstream"), ("ours-bf16", "ours")]
+
+
+def may_start(a: argparse.Namespace) -> bool:
+    """Waits while another job reserves the cores; False once past ``--deadline`` (no new run then)."""
+    said = False
+    while RESERVED.exists():
+        if not said:
+            print(f"{RESERVED} exists: waiting", flush=True)
+            said = True
+        time.sleep(30)
+    return a.deadline is None or datetime.datetime.now(datetime.timezone.utc) < a.deadline
+
+
+def ours_child(a: argparse.Namespace, arm: str) -> None:
+    """One ``fit`` per seed of ``arm`` in this process (its seeds share the compiled programs)."""
+    for seed in a.seeds:
+        run = a.out / f"{arm}-seed{seed}"
+        if (run / "train.json").exists():
+            continue
+        if not may_start(a):
+            return
+        wall = fit_in_process([*finetune_args(a.data / "B", a.pretrain, run, seed, a.epochs, a.warmup_epochs,
+                                              base_model=False), *ARMS[arm]])
+        own = last_eval(run)
+        (run / "train.json").write_text(json.dumps({"wall_s": round(wall, 1), "steps": own["steps"],
+                                                    "own_eval_mAP": own["mAP"], "own_eval_mAP50": own["mAP50"]}))
+
+
+def upstream_child(a: argparse.Namespace, seed: int) -> None:
+    """rfdetr's own trainer for one seed (no torch_xla in this process); checks its starting weights first."""
+    import torch
+    from rfdetr.training import RFDETRModelModule
+
+    from spmd_rfdetr.cli import run_config
+    from spmd_rfdetr.config.length import size_in_steps
+    from spmd_rfdetr.model.upstream import build_model, upstream_configs
+
+    run = a.out / f"upstream-seed{seed}"
+    cfg = run_config([*MODEL, *finetune_args(a.data / "B", a.pretrain, run, seed, a.epochs, a.warmup_epochs)])
+    train_images = len(json.loads((a.data / "B" / "train" / "_annotations.coco.json").read_text())["images"])
+    size_in_steps(cfg, train_images)  # warm-up epochs -> steps, as fit converts them (the LR factor reads them)
+    per_epoch = train_images // cfg.data.global_batch_size
+    model, train = upstream_train_kwargs(cfg, int(a.epochs), per_epoch, int(a.epochs), seed, run, match_lr=True)
+    checkpoint = torch.load(a.pretrain, map_location="cpu", weights_only=False)["model"]
+    ours = build_model(upstream_configs(cfg.model, cfg.data, cfg.optim, cfg.model.num_classes), training=True)
+    verified: dict[str, Any] = {}
+    init = RFDETRModelModule.__init__
+
+    def checked_init(self: Any, *args: Any, **kwargs: Any) -> None:  # the module train() builds, before it trains
+        init(self, *args, **kwargs)
+        theirs = self.model.state_dict()
+        for name, ref in (("checkpoint", checkpoint), ("ours", ours.state_dict())):
+            same_keys = sorted(theirs) == sorted(ref)
+            diff = max(((theirs[k].float() - ref[k].float()).abs().max().item() for k in theirs
+                        if k in ref and theirs[k].shape == ref[k].shape and ref[k].numel()), default=float("nan"))
+            shapes = same_keys and all(theirs[k].shape == ref[k].shape for k in theirs)
+            verified[name] = {"same_keys": same_keys, "same_shapes": shapes, "max_abs_diff": diff,
+                              "tensors": len(ref), "numel": sum(v.numel() for v in ref.values())}
+            if not (same_keys and shapes and diff == 0):
+                raise SystemExit(f"upstream's starting model differs from {name}: {verified[name]}")
+        verified["upstream_params"] = sum(p.numel() for p in self.model.parameters())
+        verified["ours_params"] = sum(p.numel() for p in ours.parameters())
+        verified["backbone_blocks"] = 1 + max(int(k.split(".layer.")[1].split(".")[0]) for k in theirs
+                                              if k.startswith("backbone.") and ".layer." in k)
+
+    RFDETRModelModule.__init__ = checked_init
+    started = time.perf_counter()
+    run_upstream_trainer(cfg, model, train)
+    wall = time.perf_counter() - started
+    (run / "train.json").write_text(json.dumps({"wall_s": round(wall, 1), "steps": int(a.epochs) * per_epoch,
+                                                "verify": verified, "upstream_model_kwargs": model}))
+
+
+def score_child(a: argparse.Namespace) -> None:
+    """Upstream's eager evaluator on B's valid split for every trained run without ``score.json``."""
+    import torch
+
+    c = torch.load(a.pretrain, map_location="cpu", weights_only=False)["config"]
+    c["data"]["dataset_dir"] = str(a.data / "B")  # the pretraining run's model and eval settings, on set B
+    for run in sorted(a.out.glob("*-seed*")):
+        if (run / "score.json").exists() or not (run / "train.json").exists():
+            continue
+        weights = run / ("last_ema.pth" if run.name.startswith("upstream") else "last.pth")
+        stats = eager_stats(c, torch.load(weights, map_location="cpu", weights_only=False)["model"], "valid")
+        (run / "score.json").write_text(json.dumps({"mAP": stats[0], "mAP50": stats[1], "stats": stats}))
+        print(f"{run.name}: mAP {stats[0]:.4f} mAP50 {stats[1]:.4f}", flush=True)
+
+
+def child_cmd(a: argparse.Namespace, *extra: str) -> list[str]:
+    return ["nice", "-n", "19", sys.executable, __file__, "--out", str(a.out), "--data", str(a.data), "--pretrain",
+            str(a.pretrain), "--epochs", str(a.epochs), "--warmup-epochs", str(a.warmup_epochs), "--seeds",
+            *map(str, a.seeds), *(["--deadline", a.deadline.isoformat()] if a.deadline else []), *extra]
+
+
+def collect(a: argparse.Namespace) -> list[dict[str, Any]]:
+    runs = []
+    for arm in a.arms:
+        for seed in a.seeds:
+            run = a.out / f"{arm}-seed{seed}"
+            if (run / "score.json").exists():
+                t, s = (json.loads((run / f).read_text()) for f in ("train.json", "score.json"))
+                runs.append({"arm": arm, "seed": seed, "mAP": s["mAP"], "mAP50": s["mAP50"], "wall_s": t["wall_s"],
+                             "steps": t["steps"], **{k: v for k, v in t.items() if k.startswith("own_eval")},
+                             **({"note": t["note"]} if "note" in t else {})})  # a note: wall_s not comparable
+    return runs
+
+
+def report(a: argparse.Namespace, argv: list[str]) -> None:
+    runs = collect(a)
+    arms = [arm for arm in a.arms if any(r["arm"] == arm for r in runs)]
+    summary = {arm: {k: spread([r[k] for r in runs if r["arm"] == arm and not (k == "wall_s" and "note" in r)])
+                     for k in ("mAP", "mAP50", "wall_s")} for arm in arms}
+    gaps = {}
+    for arm, ref in GAPS:
+        if arm in summary and ref in summary and min(summary[arm]["mAP"]["n"], summary[ref]["mAP"]["n"]) > 1:
+            x, y = summary[arm]["mAP"], summary[ref]["mAP"]
+            gaps[f"{arm} - {ref}"] = {"mAP": x["mean"] - y["mean"], "se": (x["se"] ** 2 + y["se"] ** 2) ** 0.5}
+    print("\n| arm | n | mAP mean ± std | SE | mAP50 mean ± std | SE | wall s (mean) |")
+    print("|---|---|---|---|---|---|---|")
+    for arm in arms:
+        s = summary[arm]
+        print(f"| {arm} | {s['mAP']['n']} | {s['mAP']['mean']:.4f} ± {s['mAP']['std']:.4f} | {s['mAP']['se']:.4f} | "
+              f"{s['mAP50']['mean']:.4f} ± {s['mAP50']['std']:.4f} | {s['mAP50']['se']:.4f} | "
+              f"{s['wall_s']['mean']:.0f} |")
+    for name, g in gaps.items():
+        print(f"gap {name}: {g['mAP'] * 100:+.2f} AP ± {g['se'] * 100:.2f} (SE of the difference)")
+    verify = [json.loads((a.out / f"upstream-seed{s}" / "train.json").read_text())["verify"]
+              for s in a.seeds if (a.out / f"upstream-seed{s}" / "train.json").exists()]
+    path = a.json or ROOT / "benchmarks" / "results" / f"finetune-{datetime.date.today().isoformat()}.json"
+    payload = {
+        "question": "fine-tuning from one checkpoint: ours (fit, fp32 / bf16) vs upstream rfdetr's own trainer",
+        "command": "python benchmarks/finetune.py " + " ".join(argv),
+        "model": MODEL, "pretrain": str(a.pretrain), "epochs": a.epochs, "warmup_epochs": a.warmup_epochs,
+        "data_B": "synth seed 22, 6 classes, 256 train / 256 valid, 64 px, 1-4 shapes (batch_lr.py)",
+        "scored_by": "upstream's eager model + PostProcess + CocoEvaluator, B's valid split, maxDets 100, final EMA",
+        "upstream": "RFDETRNano(...).train(...), our LR factor per step (LambdaLR), 6-block DINOv2, last_ema.pth",
+        "upstream_start_verified": verify[0] if verify else None, "not_matched": NOT_MATCHED,
+        "runs": runs, "summary": summary, "gaps": gaps}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1))
+    plot(path.with_suffix(".png"), runs, arms, summary)
+    print(f"wrote {path} and its .png")
+
+
+def plot(path: Path, runs: list[dict[str, Any]], arms: list[str], summary: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, arm in enumerate(arms):
+        vals = [r["mAP"] for r in runs if r["arm"] == arm]
+        ax.plot([i] * len(vals), vals, "o", alpha=0.6)
+        s = summary[arm]["mAP"]
+        ax.errorbar([i + 0.15], [s["mean"]], yerr=[s["se"] if s["n"] > 1 else 0], fmt="_", color="k",
+                    markersize=14, capsize=4)
+    ax.set_xticks(range(len(arms)), [f"{arm}\nn={summary[arm]['mAP']['n']}" for arm in arms])
+    ax.set_ylabel("COCO mAP, B's valid split (256 images)")
+    ax.set_title("fine-tune on synth B from one checkpoint, upstream's evaluator: runs, mean ± SE", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("/tmp/finetune"), help="runs (a scored run is reused)")
+    p.add_argument("--data", type=Path, default=Path("/tmp/batch_lr/data"), help="batch_lr.py's sets A and B")
+    p.add_argument("--pretrain", type=Path, default=Path("/tmp/batch_lr/pretrain/last.pth"),
+                   help="batch_lr.py's pretraining checkpoint (written by it if missing)")
+    p.add_argument("--arms", nargs="+", default=["ours", "upstream"], choices=list(ARMS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    p.add_argument("--epochs", type=int, default=4, help="fine-tuning passes over B's train split (default 4)")
+    p.add_argument("--warmup-epochs", type=float, default=1.0, help="warm-up passes (default 1)")
+    p.add_argument("--deadline", type=datetime.datetime.fromisoformat,
+                   help="UTC time (ISO, e.g. 2026-12-06T10:45+00:00) after which no run starts")
+    p.add_argument("--json", type=Path, help="result JSON (default benchmarks/results/finetune-<date>.json)")
+    p.add_argument("--_child", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a._child == "score":
+        score_child(a)
+    elif a._child == "upstream":
+        upstream_child(a, a.seeds[0])
+    elif a._child:
+        ours_child(a, a._child)
+    if a._child:
+        return 0
+    if not a.pretrain.exists() or not (a.data / "B").exists():
+        subprocess.run([sys.executable, "benchmarks/batch_lr.py", "--out", str(a.pretrain.parents[1]), "--data",
+                        str(a.data), "--arms", "b8", "--seeds", "1"], check=True, cwd=ROOT)
+    a.out.mkdir(parents=True, exist_ok=True)
+    for arm in a.arms:
+        print(f"== {arm}", flush=True)
+        if arm != "upstream":
+            subprocess.run(child_cmd(a, "--_child", arm), check=True, cwd=ROOT)
+        for seed in a.seeds if arm == "upstream" else []:
+            if not (a.out / f"upstream-seed{seed}" / "train.json").exists() and may_start(a):
+                subprocess.run([*child_cmd(a, "--_child", "upstream"), "--seeds", str(seed)], check=True, cwd=ROOT,
+                               env=_env_without_xla())
+        subprocess.run(child_cmd(a, "--_child", "score"), check=True, cwd=ROOT, env=_env_without_xla())
+    report(a, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch_lr import MODEL, fit_in_process, finetune_args, last_eval, spread  # noqa: E402
-from convergence import (NOT_MATCHED, _env_without_xla, eager_stats, run_upstream_trainer,  # noqa: E402
+from convergence import (NOT_MATCHED, _env_without_xla, _train_images, eager_stats, run_upstream_trainer,  # noqa: E402
                          upstream_train_kwargs)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,7 +85,7 @@ def upstream_child(a: argparse.Namespace, seed: int) -> None:
 
     run = a.out / f"upstream-seed{seed}"
     cfg = run_config([*MODEL, *finetune_args(a.data / "B", a.pretrain, run, seed, a.epochs, a.warmup_epochs)])
-    train_images = len(json.loads((a.data / "B" / "train" / "_annotations.coco.json").read_text())["images"])
+    train_images = _train_images(a.data / "B")
     size_in_steps(cfg, train_images)  # warm-up epochs -> steps, as fit converts them (the LR factor reads them)
     per_epoch = train_images // cfg.data.global_batch_size
     model, train = upstream_train_kwargs(cfg, int(a.epochs), per_epoch, int(a.epochs), seed, run, match_lr=True)

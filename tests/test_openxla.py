@@ -102,8 +102,9 @@ def test_fit_trains_with_openxla_as_with_replay_and_skips_a_nan_step(openxla_fit
     replay fit's losses within :func:`~conftest.parity_tolerance` (1e-5 at step 1, 1e-4 at step 2: the weight
     updates were right; from step 3 the two programs, which round differently, may rank near-tied proposals
     differently: measured 6.2e-5 at step 5 on a CI run, 3.4e-3 on another CPU: :data:`REORDERED_STEP_TOLERANCE`).
-    Then a real NaN batch at step 6 with ``trainer.on_nonfinite=skip_step``: counted, named, and the weights and AdamW state after it are those after
-    step 5, bit for bit (the non-finite guard around dynamo's graphs), and the EMA stays finite."""
+    Then a real NaN batch at step 6 with ``trainer.on_nonfinite=skip_step``: counted, named, and the weights and AdamW
+    state after it are those after step 5, bit for bit (the non-finite guard around dynamo's graphs), and the EMA
+    stays finite."""
     from support.models import read_training_checkpoint
 
     result, out = openxla_fit

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 
 from support.models import EVAL_EVERY, FIT_WARMUP, LOOP_STEPS, TRACE_STEPS
-from support.runs import read_metrics, sigterm_after
+from support.runs import read_metrics
 from spmd_rfdetr.config.options import OptimOptions
 from spmd_rfdetr.training.metrics import xla_counters
 from spmd_rfdetr.training.optim import DeviceLRSchedule, lr_factor

@@ -8,6 +8,7 @@ stops with one message and exit status 2 before anything compiles. ``eval.num_se
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -180,3 +181,21 @@ def test_eval_num_select_is_the_models_and_more_than_its_logits_is_a_config_erro
               "--model.num_classes", "3", "--eval.num_select", "121"])
     assert exit_info.value.code == 2
     assert limit in capsys.readouterr().err
+
+
+def test_aot_without_a_dataset_traces_the_class_count_a_user_would_train(tmp_path: Path) -> None:
+    """``aot`` with no dataset: a detector takes rfdetr's default class count for the variant (COCO's 90), a keypoint
+    model one class per entry of its keypoint schema (rfdetr's ``[17]``: COCO person), not rfdetr's 90, which pads
+    every query's keypoints to 90 x 17 slots; ``model.num_classes`` and a dataset decide over both."""
+    from spmd_rfdetr.aot.trace import _num_classes
+
+    missing = str(tmp_path / "no-dataset")
+    keypoints = ModelOptions(variant="keypoint-preview", pretrain_weights=None)
+    schema = rfdetr.config.RFDETRKeypointPreviewConfig().num_keypoints_per_class
+    assert _num_classes(RunConfig(model=keypoints, data=DataOptions(dataset_dir=missing))) == len(schema) == 1
+    two = dataclasses.replace(keypoints, num_keypoints_per_class=[0, 17])
+    assert _num_classes(RunConfig(model=two, data=DataOptions(dataset_dir=missing))) == 2
+    assert _num_classes(RunConfig(model=dataclasses.replace(keypoints, num_classes=5),
+                                  data=DataOptions(dataset_dir=missing))) == 5
+    detector = RunConfig(model=ModelOptions(pretrain_weights=None), data=DataOptions(dataset_dir=missing))
+    assert _num_classes(detector) == rfdetr.config.RFDETRNanoConfig().num_classes == 90

@@ -58,7 +58,10 @@ def config_from_yaml(text: str) -> RunConfig:
 
 
 def _num_classes(cfg: RunConfig) -> int:
-    """``model.num_classes``, else the dataset's (as ``fit`` reads it), else rfdetr's default for the variant."""
+    """``model.num_classes``, else the dataset's (as ``fit`` reads it), else rfdetr's default for the variant; for a
+    keypoint variant without a dataset, one class per entry of its keypoint schema (rfdetr's ``[17]``: COCO person),
+    since rfdetr pads every query's keypoints to ``num_classes x 17`` slots and its default of 90 classes would trace
+    ~90x the keypoint head a person dataset trains."""
     if cfg.model.num_classes:
         return cfg.model.num_classes
     if (Path(cfg.data.dataset_dir) / "train").is_dir():
@@ -69,7 +72,13 @@ def _num_classes(cfg: RunConfig) -> int:
     # lazy: model.upstream imports rfdetr, which starts torch_xla: only after trace_programs' setup_runtime
     from spmd_rfdetr.model.upstream import VARIANTS
 
-    default = int(VARIANTS[cfg.model.variant].model_fields["num_classes"].default)
+    fields = VARIANTS[cfg.model.variant].model_fields
+    if is_keypoint(cfg.model.variant):
+        schema = cfg.model.num_keypoints_per_class or fields["num_keypoints_per_class"].default
+        log.info("no dataset at %s: tracing %d class(es), one per entry of the keypoint schema %s (set "
+                 "--model.num_classes)", cfg.data.dataset_dir, len(schema), schema)
+        return len(schema)
+    default = int(fields["num_classes"].default)
     log.info("no dataset at %s: tracing with rfdetr's default of %d classes (set --model.num_classes)",
              cfg.data.dataset_dir, default)
     return default

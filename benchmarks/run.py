@@ -81,6 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tpu-compiler", metavar="TOPOLOGY", help="with --compare upstream: upstream's steady-state step "
                    "graphs (at the config's per-chip batch, one device) compiled by libtpu for one chip of TOPOLOGY "
                    "(e.g. v5e:1x1): bytes, FLOPs and roofline per image (bench/compiler.py)")
+    p.add_argument("--hbm-only", action="store_true", help="with --tpu-compiler: compile with nothing kept in on-chip "
+                   "memory, as `aot --hbm_only true` (the count is HBM traffic); --ours-report must be such a report")
     p.add_argument("--ours-report", type=Path, help="with --tpu-compiler: an `aot --json` report of the same config, "
                    "for ours beside upstream")
     p.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")

@@ -20,7 +20,8 @@ batch): the script prints both.
     python benchmarks/same_batches.py --collect /tmp/same --into benchmarks/results/<comparison>.json
 
 ``--collect`` adds every finished arm under ``DIR`` to a ``convergence.py --compare upstream`` JSON: per seed its
-final scores (``runs.same_batches``), its mean/std/min/max (``summary.same_batches``) and its gap to ours per seed.
+final scores (``runs.same_batches``), its mean/std/min/max (``summary.same_batches``) and its gap to ours per seed;
+``--name same_batches_xla`` files ``--xla`` arms under their own key.
 """
 
 from __future__ import annotations
@@ -157,8 +158,9 @@ def train_on_run_batches(run: Path, out: Path, perturb: float = 0.0, criterion_k
     return {"losses": losses, "weights": str(weights)}
 
 
-def collect(arms: Path, into: Path) -> None:
-    """Every finished arm under ``arms`` into the comparison JSON ``into`` (matched to ours by seed)."""
+def collect(arms: Path, into: Path, name: str = "same_batches") -> None:
+    """Every finished arm under ``arms`` into the comparison JSON ``into`` (matched to ours by seed), under ``name``
+    (``runs.<name>``, ``summary.<name>``: one key per kind of arm, e.g. eager and ``--xla``)."""
     import yaml
     from convergence import _mean_spread
 
@@ -169,14 +171,14 @@ def collect(arms: Path, into: Path) -> None:
              "final": r["final"], "step1_loss": r["losses"][0], "run_step1_loss": r["run_losses"].get("1")}
             for r in found]
     runs.sort(key=lambda r: payload["seeds"].index(r["seed"]))
-    payload["runs"]["same_batches"] = runs
-    payload["summary"]["same_batches"] = _mean_spread([r["final"]["mAP"] for r in runs])
-    payload["gap_ours_minus_same_batches_per_seed"] = {r["seed"]: ours[r["seed"]] - r["final"]["mAP"] for r in runs}
-    payload["same_batches"] = ("upstream's step (eager CPU: its model, SetCriterion, AdamW over get_param_dict, "
-                               "clip_grad_norm_, our LR factor as LambdaLR, RFDETREMACallback) on each of our runs' "
-                               "own batches from its own initial weights: benchmarks/same_batches.py")
+    payload["runs"][name] = runs
+    payload["summary"][name] = _mean_spread([r["final"]["mAP"] for r in runs])
+    payload[f"gap_ours_minus_{name}_per_seed"] = {r["seed"]: ours[r["seed"]] - r["final"]["mAP"] for r in runs}
+    payload[name] = ("upstream's step (its model, SetCriterion, AdamW over get_param_dict, clip_grad_norm_, our LR "
+                     "factor as LambdaLR, RFDETREMACallback) on each of our runs' own batches from its own initial "
+                     f"weights: benchmarks/same_batches.py; arms from {arms}")
     into.write_text(json.dumps(payload, indent=1))
-    print(f"{len(runs)} arms into {into}: {payload['summary']['same_batches']}")
+    print(f"{len(runs)} arms into {into} as {name}: {payload['summary'][name]}")
 
 
 def score(run: Path, weights: Path) -> tuple[dict[str, float], dict[int, float]]:
@@ -213,9 +215,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the forward under eager bf16 autocast, the loss in float32 (as trainer.precision: bf16)")
     p.add_argument("--collect", type=Path, help="a dir of finished arms (each --out)")
     p.add_argument("--into", type=Path, help="with --collect: the comparison JSON to add them to")
+    p.add_argument("--name", default="same_batches", help="with --collect: their key in the JSON")
     args = p.parse_args(argv)
     if args.collect:
-        collect(args.collect, args.into)
+        collect(args.collect, args.into, args.name)
         return 0
     result = train_on_run_batches(args.run, args.out, args.perturb, args.criterion, args.states_at, args.steps,
                                   args.xla, args.flush_denormal, args.autocast_bf16)

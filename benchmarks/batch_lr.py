@@ -24,12 +24,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from convergence import spread
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,13 +93,6 @@ def child(a: argparse.Namespace) -> None:
                   "wall_s": round(wall, 1)}
         (run / "result.json").write_text(json.dumps(result))
         print(f"RESULT {json.dumps(result)}", flush=True)
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    n = len(values)
-    mean = sum(values) / n
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else float("nan")
-    return {"mean": mean, "std": std, "se": std / math.sqrt(n), "n": n, "min": min(values), "max": max(values)}
 
 
 def plot(path: Path, runs: list[dict[str, Any]], arms: list[str], title: str) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -216,7 +217,7 @@ def compare_upstream(args: argparse.Namespace, data: Path, work: Path) -> int:
             runs[side].append({"seed": seed, "final": stats, "own_eval_curve": curve})
             print(f"seed {seed} {side}: mAP {stats['mAP']:.4f} mAP50 {stats['mAP50']:.4f} mAP75 {stats['mAP75']:.4f}",
                   flush=True)
-    summary = {side: _mean_spread([r["final"]["mAP"] for r in rs]) for side, rs in runs.items()}
+    summary = {side: spread([r["final"]["mAP"] for r in rs]) for side, rs in runs.items()}
     gap = summary["ours"]["mean"] - summary["upstream"]["mean"]
     per_seed = {r["seed"]: r["final"]["mAP"] - u["final"]["mAP"] for r, u in zip(runs["ours"], runs["upstream"])}
     worst = summary["ours"]["min"] - summary["upstream"]["min"]  # ours' worst seed against upstream's worst
@@ -244,11 +245,12 @@ def _global_batch(config: str) -> int:
     return run_config(["--config", config]).data.global_batch_size
 
 
-def _mean_spread(values: list[float]) -> dict[str, float]:
-    """Mean, sample standard deviation, min and max of one side's final mAPs."""
-    mean = sum(values) / len(values)
-    std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
-    return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": len(values)}
+def spread(values: list[float]) -> dict[str, float]:
+    """Mean, sample standard deviation (NaN for one value), standard error, count, min and max of one arm's scores."""
+    n = len(values)
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else float("nan")
+    return {"mean": mean, "std": std, "se": std / math.sqrt(n), "n": n, "min": min(values), "max": max(values)}
 
 
 def _plot(path: Path, runs: dict[str, list[dict[str, Any]]], title: str) -> None:

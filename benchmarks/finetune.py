@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batch_lr import MODEL, fit_in_process, finetune_args, last_eval, spread  # noqa: E402
+from batch_lr import MODEL, fit_in_process, finetune_args, last_eval  # noqa: E402
 from convergence import (NOT_MATCHED, _env_without_xla, _train_images, eager_stats, run_upstream_trainer,  # noqa: E402
-                         upstream_train_kwargs)
+                         spread, upstream_train_kwargs)
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = {"ours": [], "upstream": None, "ours-bf16": ["--trainer.precision", "bf16"]}

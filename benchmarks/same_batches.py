@@ -162,7 +162,7 @@ def collect(arms: Path, into: Path, name: str = "same_batches") -> None:
     """Every finished arm under ``arms`` into the comparison JSON ``into`` (matched to ours by seed), under ``name``
     (``runs.<name>``, ``summary.<name>``: one key per kind of arm, e.g. eager and ``--xla``)."""
     import yaml
-    from convergence import _mean_spread
+    from convergence import spread
 
     payload = json.loads(into.read_text())
     ours = {r["seed"]: r["final"]["mAP"] for r in payload["runs"]["ours"]}
@@ -172,7 +172,7 @@ def collect(arms: Path, into: Path, name: str = "same_batches") -> None:
             for r in found]
     runs.sort(key=lambda r: payload["seeds"].index(r["seed"]))
     payload["runs"][name] = runs
-    payload["summary"][name] = _mean_spread([r["final"]["mAP"] for r in runs])
+    payload["summary"][name] = spread([r["final"]["mAP"] for r in runs])
     payload[f"gap_ours_minus_{name}_per_seed"] = {r["seed"]: ours[r["seed"]] - r["final"]["mAP"] for r in runs}
     payload[name] = ("upstream's step (its model, SetCriterion, AdamW over get_param_dict, clip_grad_norm_, our LR "
                      "factor as LambdaLR, RFDETREMACallback) on each of our runs' own batches from its own initial "

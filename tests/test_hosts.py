@@ -108,6 +108,11 @@ print("RESULT", json.dumps({"records": records, "world": world, "left": not dist
 HOST_FIT_STEPS = 4
 
 
+def host_result(stdout: str) -> dict:
+    """What a host child printed after ``RESULT``."""
+    return json.loads(stdout.split("RESULT", 1)[1])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -124,7 +129,7 @@ def test_two_gloo_hosts_agree_on_stop_and_sizes_and_split_the_global_batch(tmp_p
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr[-3000:]
-        results.append(json.loads(stdout.split("RESULT", 1)[1]))
+        results.append(host_result(stdout))
     assert [r["host"] for r in results] == [[0, 2], [1, 2]]
     assert [r["coordinator"] for r in results] == [True, False]
     assert [r["gathered"] for r in results] == [[0, 1, 10, 11]] * 2  # eval's image ids of the global array
@@ -205,7 +210,7 @@ def test_two_hosts_fit_and_evaluate_as_one_host_with_a_gloo_default_group(two_ho
     results = []
     for proc in procs:
         assert proc.returncode == 0, proc.stderr[-4000:]
-        results.append(json.loads(proc.stdout.split("RESULT", 1)[1]))
+        results.append(host_result(proc.stdout))
     reference = [r["loss"] for r in read_metrics(loop_run)[:HOST_FIT_STEPS]]
     evals = []
     for r in results:
@@ -236,7 +241,7 @@ def test_donated_replay_equals_undonated_replay_and_trace_mode(two_hosts_fit, lo
     And the arms are what they say: torch_xla's ``InputOutputAliasCount`` shows host 0 compiling a program that
     donates at least the weights and both AdamW moments (measured: 576 inputs for 113 trainable parameters), and
     host 1 none that does."""
-    donated, undonated = (json.loads(proc.stdout.split("RESULT", 1)[1]) for proc in two_hosts_fit[0])
+    donated, undonated = (host_result(proc.stdout) for proc in two_hosts_fit[0])
     replay, trace = ([r["loss"] for r in read_metrics(run)[:TRACE_STEPS]] for run in (loop_run, trace_fit_run))
     assert len(replay) == len(trace) == TRACE_STEPS and replay == trace, (replay, trace)
     hosts_losses = [[r["loss"] for r in host["records"]] for host in (donated, undonated)]

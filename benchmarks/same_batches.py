@@ -20,7 +20,7 @@ batch): the script prints both.
     python benchmarks/same_batches.py --collect /tmp/same --into benchmarks/results/<comparison>.json
 
 ``--collect`` adds every finished arm under ``DIR`` to a ``convergence.py --compare upstream`` JSON: per seed its
-final scores (``runs.same_batches``), its mean/std/min/max (``summary.same_batches``) and its gap to ours per seed;
+final scores (``runs.same_batches``), its mean/std/SE/min/max (``summary.same_batches``) and its gap to ours per seed;
 ``--name same_batches_xla`` files ``--xla`` arms under their own key.
 """
 

@@ -66,6 +66,17 @@ def compile_graphs(step_graphs: list[tuple[str, str, str]], devices: list, chip:
 
 def main_upstream_compiler(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Upstream's step at ours' per-chip batch on one device, its steady-state graphs compiled for the topology."""
+    from spmd_rfdetr.aot import chips
+
+    # what can be refused is refused before upstream's child runs (~45 min for v5e.yaml on 2 cores)
+    chip = chips.parse_topology(args.tpu_compiler)[0]
+    if args.hbm_only and (problem := chips.hbm_only_problem(chip)):
+        raise SystemExit(problem)
+    report = json.loads(Path(args.ours_report).read_text()) if args.ours_report else None
+    if report is not None and bool(report.get("hbm_only")) != bool(args.hbm_only):
+        said = ("with", "without")
+        raise SystemExit(f"--ours-report {args.ours_report} was compiled {said[not report.get('hbm_only')]} aot "
+                         f"--hbm_only, upstream {said[not args.hbm_only]} --hbm-only: counts of different kinds")
     per_chip = cfg.data.per_device_batch_size or cfg.data.global_batch_size
     up_cfg = copy.deepcopy(cfg)
     up_cfg.data.global_batch_size, up_cfg.data.per_device_batch_size = per_chip, None
@@ -76,11 +87,9 @@ def main_upstream_compiler(cfg: Any, args: argparse.Namespace) -> dict[str, Any]
         upstream = run_child("upstream", spec, 1, args.child_timeout,
                              env={"XLA_SAVE_TENSORS_FILE": str(saved), "XLA_SAVE_TENSORS_FMT": "hlo"})
         steps = graphs_by_step(Path(f"{saved}.0"), upstream["graph_offsets"])
-    from spmd_rfdetr.aot import chips, tpu_compile
+    from spmd_rfdetr.aot import tpu_compile
 
     if args.hbm_only:  # libtpu reads its flags when it loads, below: nothing kept in on-chip memory, as aot --hbm_only
-        if chips.parse_topology(args.tpu_compiler)[0].hbm_only_flag is None:
-            raise SystemExit(f"--hbm-only: libtpu has no switch for {args.tpu_compiler}'s on-chip memory")
         os.environ.update(chips.hbm_only_env(args.tpu_compiler))
     devices, chip, _ = tpu_compile.build_topology(args.tpu_compiler)
     cache: dict[str, dict] = {}
@@ -91,19 +100,14 @@ def main_upstream_compiler(cfg: Any, args: argparse.Namespace) -> dict[str, Any]
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "config_file": str(args.config), "topology": args.tpu_compiler, "images_per_chip": per_chip,
-        "hbm_only": os.environ.get("LIBTPU_INIT_ARGS", "") if args.hbm_only else False,
+        "hbm_only": chips.hbm_only_label(chip) if args.hbm_only else False,
         "upstream": {"precision": upstream["precision"], "graphs_per_step": [s["graphs"] for s in steady],
                      "bytes_per_step": [s["bytes"] for s in steady], "flops_per_step": [s["flops"] for s in steady],
                      "bytes_per_image": step["bytes"] / per_chip, "flops_per_image": step["flops"] / per_chip,
                      "roofline_ms_per_image": 1e3 * step["roofline_s"] / per_chip, "graphs": step["graph_list"],
                      "losses": upstream["losses"]},
     }
-    if args.ours_report:
-        report = json.loads(Path(args.ours_report).read_text())
-        if bool(report.get("hbm_only")) != bool(args.hbm_only):
-            said = ("with", "without")
-            raise SystemExit(f"--ours-report {args.ours_report} was compiled {said[not report.get('hbm_only')]} aot "
-                             f"--hbm_only, upstream {said[not args.hbm_only]} --hbm-only: counts of different kinds")
+    if report is not None:
         train = next(p for p in report["programs"] if p["name"].startswith("train"))
         ours_images = train["images_per_device"]
         out["ours"] = {"report": str(args.ours_report), "topology": train["topology"],

@@ -27,7 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from spmd_rfdetr.aot.chips import CHIPS, TopologyError, hbm_only_env, parse_topology, valid_names
+from spmd_rfdetr.aot.chips import (TopologyError, hbm_only_env, hbm_only_label, hbm_only_problem, parse_topology,
+                                    valid_names)
 from spmd_rfdetr.aot.trace import config_to_yaml
 from spmd_rfdetr.config.options import ConfigError, RunConfig
 from spmd_rfdetr.config.resolve import TRACED_FOR_ENV, resolve_and_check
@@ -55,9 +56,8 @@ def aot_check(cfg: RunConfig, topology: str, json_path: str | None = None, max_b
         raise ConfigError(str(error)) from None
     if canonical.split(":")[1] not in chip.topologies:
         raise ConfigError(f"unknown TPU topology {topology!r}; valid names: {valid_names()}")
-    if hbm_only and chip.hbm_only_flag is None:
-        raise ConfigError(f"--hbm_only: libtpu has no switch for {chip.name}'s on-chip memory; it works for "
-                          + ", ".join(c.name for c in CHIPS.values() if c.hbm_only_flag is not None))
+    if hbm_only and (problem := hbm_only_problem(chip)):
+        raise ConfigError(problem)
     devices = device_count(canonical)
     if importlib.util.find_spec("jax") is None or importlib.util.find_spec("libtpu") is None:
         raise ConfigError(f"the aot check needs the TPU compiler (jax + libtpu): {INSTALL}")
@@ -77,7 +77,7 @@ def aot_check(cfg: RunConfig, topology: str, json_path: str | None = None, max_b
     report: dict[str, Any] = {"topology": canonical, "devices": devices,
                               "programs": _run(cfg, canonical, work, hbm_only=hbm_only)}
     if hbm_only:
-        report["hbm_only"] = chip.hbm_only_flag or f"no flag: {chip.name}'s compiler keeps nothing on chip by default"
+        report["hbm_only"] = hbm_only_label(chip)
     if max_batch:
         report["max_batch"] = search_max_batch(cfg, canonical, work, headroom)
     if json_path:

@@ -120,9 +120,23 @@ def topology_kwargs(name: str) -> dict:
     return kw
 
 
+def hbm_only_problem(chip: Chip) -> str | None:
+    """Why ``--hbm_only`` cannot compile for ``chip`` (libtpu has no switch for its on-chip memory: v4); ``None``: it
+    can."""
+    if chip.hbm_only_flag is not None:
+        return None
+    return (f"--hbm_only: libtpu has no switch for {chip.name}'s on-chip memory; it works for "
+            + ", ".join(c.name for c in CHIPS.values() if c.hbm_only_flag is not None))
+
+
+def hbm_only_label(chip: Chip) -> str:
+    """What a report records of an ``--hbm_only`` compile for ``chip``: the libtpu flag, or why none was needed."""
+    return chip.hbm_only_flag or f"no flag: {chip.name}'s compiler keeps nothing on chip by default"
+
+
 def hbm_only_env(topology: str) -> dict[str, str]:
     """Environment for a compile child whose program keeps nothing in on-chip memory (``hbm_only_flag``; empty for v3,
-    which needs none). Callers check first that the chip has one (not v4)."""
+    which needs none). Callers check :func:`hbm_only_problem` first."""
     flag = parse_topology(topology)[0].hbm_only_flag
     return {"LIBTPU_INIT_ARGS": f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {flag}".strip()} if flag else {}
 

@@ -6,7 +6,7 @@ the attention weights. Written out, one image and head's output is ``W @ V``: ``
 every corner it reads (at most ``levels x points x 4`` non-zeros a row). RF-DETR's maps are small (one P4 level:
 24x24 for Nano at 384 px, 44x44 for Large at 704), so the MXU does that product in well under a millisecond, and the
 TPU compiler builds ``W`` inside the product's own fusion from the corners' indices and weights: it never reaches
-HBM. The backward materialises ``dW = dOut @ V^T`` once (bf16) and picks each corner's gradient from it.
+HBM. The backward picks each corner's value column by a one-hot product of its own and dots it with ``dOut``.
 
 Against row lookups (:mod:`spmd_rfdetr.model.row_lookups`), whose gathers the TPU charges about a memory tile per
 row: v5e.yaml's shapes (16 images, 16 heads, 3,900 queries, 2 points, 24x24), forward + backward, 13.98 -> 5.18 GB
@@ -83,13 +83,23 @@ class _Sample(torch.autograd.Function):
         value, positions, matrix = ctx.saved_tensors
         grad = grad.to(value.dtype)
         grad_value = torch.matmul(grad.transpose(1, 2), matrix)  # [N, C, S]
-        grad_matrix = torch.matmul(grad, value)  # [N, Q, S]
-        grid = torch.arange(value.shape[-1], device=positions.device, dtype=positions.dtype)
-        zero = grad_matrix.new_zeros(())
-        # one non-zero per sum: exact in the map's dtype
-        grad_weights = torch.stack([torch.where(positions[..., k, None] == grid, grad_matrix, zero).sum(-1)
-                                    for k in range(positions.shape[-1])], -1)
-        return grad_value, None, grad_weights.to(ctx.weights_dtype)
+        return grad_value, None, _corner_grads(value, positions, grad).to(ctx.weights_dtype)
+
+
+def _corner_grads(value: torch.Tensor, positions: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``[N, Q, K]``: each corner's ``grad[n, q] . value[n, :, positions[n, q, k]]`` (0 outside the map).
+
+    Per corner, its value columns are picked by a one-hot product (exact: one non-zero a column) and dotted with the
+    gradient in the same fusion, so nothing ``[Q, S]``-sized reaches HBM. Picking from ``dW = grad @ value`` instead
+    wrote ``dW`` ([256, 3900, 576] bf16 per layer on v5e.yaml) and read it three times: 4.91 -> 1.79 GB per layer,
+    forward + backward, at 2.2x the FLOPs (``benchmarks/README.md``)."""
+    grid = torch.arange(value.shape[-1], device=positions.device, dtype=positions.dtype)
+    grad_t = grad.transpose(1, 2)  # [N, C, Q]
+    per_corner = []
+    for k in range(positions.shape[-1]):
+        one_hot = (grid[:, None] == positions[:, None, :, k]).to(value.dtype)  # [N, S, Q]
+        per_corner.append(torch.einsum("ncq,ncq->nq", torch.matmul(value, one_hot), grad_t))
+    return torch.stack(per_corner, -1)
 
 
 def dense_core(value: torch.Tensor, locations: torch.Tensor, attention_weights: torch.Tensor,

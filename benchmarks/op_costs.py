@@ -7,6 +7,8 @@ backend, its HLO compiled for one chip of ``--topology``.
 
     python benchmarks/op_costs.py --json benchmarks/results/op-costs-deform-attention-v5e-2026-12-04.json
 
+``--hbm-only`` compiles with on-chip memory off, as ``aot --hbm_only true`` (issue 51's measure).
+
 Ops (``--op``): ``deform`` (deformable attention's core: rfdetr's own, with our row lookups, against
 :mod:`spmd_rfdetr.model.deform_attention`) at v5e.yaml's shapes (16 images, 16 heads of 16 channels, 13 x 300
 queries, 2 points) on the maps of Nano (24x24), Small (32x32) and Large (44x44); ``attention`` (bf16 attention at
@@ -236,14 +238,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topology", default="v5e:1x1", help="compile for one chip of this topology")
     ap.add_argument("--op", choices=("deform", "attention", "criterion", "backbone"), default="deform")
     ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--hbm-only", action="store_true",
+                    help="compile with on-chip memory off (aot's --hbm_only): every byte counted is HBM traffic")
+    ap.add_argument("--only", default="", help="only the cases whose name contains this (e.g. 'one product')")
     args = ap.parse_args(argv)
-    from spmd_rfdetr.aot import tpu_compile
+    from spmd_rfdetr.aot import chips, tpu_compile
+
+    if args.hbm_only:  # before libtpu loads (build_topology)
+        if problem := chips.hbm_only_problem(chips.parse_topology(args.topology)[0]):
+            ap.error(problem)
+        os.environ.update(chips.hbm_only_env(args.topology))
 
     devices, _, _ = tpu_compile.build_topology(args.topology)
     rows = []
     cases = {"deform": deform_cases, "attention": attention_cases, "criterion": criterion_cases,
              "backbone": backbone_cases}[args.op]()
     for name, labels, make in cases:
+        if args.only not in name:
+            continue
         out, inputs = make()
         out, *logged = out if isinstance(out, tuple) else (out,)  # the first is differentiated
         forward = compile_cost([out, *logged], devices)
@@ -259,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.op == "attention":
         _check_flash_padding()  # on the CPU, after the XLA graphs: a CPU backward first broke XLA's (autograd engine)
     if args.json:
-        args.json.write_text(json.dumps({"topology": args.topology, "versions": tpu_compile.versions(),
+        args.json.write_text(json.dumps({"topology": args.topology, "hbm_only": args.hbm_only,
+                                         "versions": tpu_compile.versions(),
                                          "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1) + "\n")
     return 0
 

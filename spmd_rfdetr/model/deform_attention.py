@@ -9,7 +9,7 @@ TPU compiler builds ``W`` inside the product's own fusion from the corners' indi
 HBM. The backward picks each corner's value column by a one-hot product of its own and dots it with ``dOut``.
 
 Against row lookups (:mod:`spmd_rfdetr.model.row_lookups`), whose gathers the TPU charges about a memory tile per
-row: v5e.yaml's shapes (16 images, 16 heads, 3,900 queries, 2 points, 24x24), forward + backward, 13.98 -> 5.18 GB
+row: v5e.yaml's shapes (16 images, 16 heads, 3,900 queries, 2 points, 24x24), forward + backward, 13.98 -> 2.01 GB
 per layer (``benchmarks/README.md``). Per-corner zero padding and the coordinates are ``_bilinear_grid_sample``'s;
 the corner weights are summed in the weights' dtype (f32 under autocast) and rounded to the map's dtype once.
 """
@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 #: Above this many positions (all levels) :func:`dense_core_for_xla` leaves the core to rfdetr's sampler (row lookups
-#: on XLA): ``dW`` grows with the map, the lookups do not. v5e, one layer forward + backward at 16 images: 24x24
-#: 5.2 GB vs 14.0 by rows, 32x32 (Small) 7.8 vs 14.5, 44x44 (Large) 13.9 vs 15.5 (``benchmarks/op_costs.py``).
+#: on XLA): the products' FLOPs grow with the map, the lookups' bytes do not. v5e, one layer forward + backward at 16
+#: images: 24x24 2.0 GB and 217 GFLOP vs 14.0 GB by rows, 32x32 (Small) 2.1 and 386 vs 14.5, 44x44 (Large) 2.2 and
+#: 728 vs 15.5 (``benchmarks/op_costs.py``); a product with 16 channels a head uses a fraction of the MXU.
 DENSE_MAX_POSITIONS = 2048
 #: The same for :func:`separable_grid_sample` (the seg masks' point sampling, one channel per map): its ``[Q, H]``
 #: intermediate and FLOPs grow with the map's side. Seg Nano at 312 px: 78x78 masks.

@@ -28,7 +28,7 @@
   eval 9.6 -> 9.0; ``benchmarks/README.md``).
 - ``ms_deform_attn_core_pytorch`` (deformable attention's core, XLA, maps of up to 2,048 positions: every RF-DETR
   detector): one matrix product per image and head whose weight matrix the TPU compiler builds inside the product
-  (:mod:`spmd_rfdetr.model.deform_attention`; v5e.yaml's shapes: 2.7x fewer bytes than the row lookups below).
+  (:mod:`spmd_rfdetr.model.deform_attention`; v5e.yaml's shapes: 7x fewer bytes than the row lookups below).
 - ``_bilinear_grid_sample`` (the sampling on larger maps, and the seg variants' ``point_sample``): rfdetr's XLA path
   gathers every sampled value with an element-wise ``gather`` (one index per value and channel), which the TPU
   compiler runs as one memory tile read per element; its gradient, a scatter-add, it runs on all-gathered operands.

@@ -85,6 +85,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "memory, as `aot --hbm_only true` (the count is HBM traffic); --ours-report must be such a report")
     p.add_argument("--ours-report", type=Path, help="with --tpu-compiler: an `aot --json` report of the same config, "
                    "for ours beside upstream")
+    p.add_argument("--upstream-graphs", type=Path, help="with --tpu-compiler: keep upstream's saved step graphs in "
+                   "this directory, or compile the ones kept there by an earlier run of the same config instead of "
+                   "running upstream's child again (~45 min for v5e.yaml on 2 cores)")
     p.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps, not in the statistics (default 3)")
     p.add_argument("--json", type=Path, help="output JSON (default benchmarks/results/<model>-<res>-b<batch>-<hw>-<date>.json)")

@@ -6,7 +6,8 @@ The upstream child (:func:`bench.sides.child_upstream`) runs its step on one XLA
 ``XLA_SAVE_TENSORS_FILE`` (every graph it executes, as HLO, cached or not) and notes where each step's graphs end;
 here the graphs of the steady-state steps (after the warm-up) are compiled for one chip of the topology with libtpu
 (as the ``aot`` verb compiles ours) and summed per step: FLOPs, HBM bytes and the memory-bound roofline, per image,
-next to ours from an ``aot`` report of the same config (``--ours-report``).
+next to ours from an ``aot`` report of the same config (``--ours-report``). ``--upstream-graphs DIR`` keeps the
+child's graphs, so that a second count (``--hbm-only`` or not) compiles them without running the child again.
 """
 
 from __future__ import annotations
@@ -64,6 +65,29 @@ def compile_graphs(step_graphs: list[tuple[str, str, str]], devices: list, chip:
             "roofline_s": max(flops / chip.peak_bf16_flops, nbytes / chip.hbm_bandwidth), "graph_list": rows}
 
 
+def upstream_graphs(spec: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, Any], list]:
+    """Upstream's child result and its graphs by step: run the child (its graphs saved in a temporary directory, or
+    in ``--upstream-graphs`` to keep), or read what an earlier run of the same spec kept there."""
+    keep = args.upstream_graphs
+    if keep is not None and (keep / "child.json").exists():
+        kept = json.loads((keep / "child.json").read_text())
+        if kept["spec"] != json.loads(json.dumps(spec, default=str)):
+            raise SystemExit(f"--upstream-graphs {keep} holds another configuration's graphs (its child.json's spec "
+                             "differs): name an empty directory")
+        print(f"upstream's graphs from {keep} (not running its child again)", flush=True)
+        return kept["upstream"], graphs_by_step(keep / "graphs.hlo.0", kept["upstream"]["graph_offsets"])
+    with tempfile.TemporaryDirectory() as tmp:
+        where = keep or Path(tmp)
+        where.mkdir(parents=True, exist_ok=True)
+        saved = where / "graphs.hlo"
+        upstream = run_child("upstream", spec, 1, args.child_timeout,
+                             env={"XLA_SAVE_TENSORS_FILE": str(saved), "XLA_SAVE_TENSORS_FMT": "hlo"})
+        steps = graphs_by_step(Path(f"{saved}.0"), upstream["graph_offsets"])
+        if keep is not None:
+            (keep / "child.json").write_text(json.dumps({"spec": spec, "upstream": upstream}, default=str))
+    return upstream, steps
+
+
 def main_upstream_compiler(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Upstream's step at ours' per-chip batch on one device, its steady-state graphs compiled for the topology."""
     from spmd_rfdetr.aot import chips
@@ -82,11 +106,7 @@ def main_upstream_compiler(cfg: Any, args: argparse.Namespace) -> dict[str, Any]
     up_cfg.data.global_batch_size, up_cfg.data.per_device_batch_size = per_chip, None
     spec = {"run_config": dataclasses.asdict(up_cfg), "warmup": args.warmup, "steps": args.steps, "num_batches": 1,
             "count_flops": False, "expect_devices": None, "record_graph_offsets": True}
-    with tempfile.TemporaryDirectory() as tmp:
-        saved = Path(tmp) / "graphs.hlo"
-        upstream = run_child("upstream", spec, 1, args.child_timeout,
-                             env={"XLA_SAVE_TENSORS_FILE": str(saved), "XLA_SAVE_TENSORS_FMT": "hlo"})
-        steps = graphs_by_step(Path(f"{saved}.0"), upstream["graph_offsets"])
+    upstream, steps = upstream_graphs(spec, args)
     from spmd_rfdetr.aot import tpu_compile
 
     if args.hbm_only:  # libtpu reads its flags when it loads, below: nothing kept in on-chip memory, as aot --hbm_only

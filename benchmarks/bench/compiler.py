@@ -80,6 +80,7 @@ def upstream_graphs(spec: dict[str, Any], args: argparse.Namespace) -> tuple[dic
         where = keep or Path(tmp)
         where.mkdir(parents=True, exist_ok=True)
         saved = where / "graphs.hlo"
+        Path(f"{saved}.0").unlink(missing_ok=True)  # torch_xla appends: a failed run's graphs would shift the offsets
         upstream = run_child("upstream", spec, 1, args.child_timeout,
                              env={"XLA_SAVE_TENSORS_FILE": str(saved), "XLA_SAVE_TENSORS_FMT": "hlo"})
         steps = graphs_by_step(Path(f"{saved}.0"), upstream["graph_offsets"])

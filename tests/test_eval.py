@@ -20,12 +20,13 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 from spmd_rfdetr.eval import evaluator as ev
-from spmd_rfdetr.eval.coco import BOXES, SCORE
+from spmd_rfdetr.eval.coco import BOXES, LABEL, SCORE
 from spmd_rfdetr.model.inputs import as_samples
 
 from support.drawing import check_drawing
 from support.models import EVAL_EVERY
 from support.runs import read_metrics
+from support.ties import pair_near_ties
 
 SUBSET, EVAL_BATCH = 20, 12  # 20 images in global batches of 12: 12 + 8 padded to 12
 pytestmark = pytest.mark.slow  # every test reads the session fit (conftest.fit_run) or compiles an eval program
@@ -131,16 +132,16 @@ def test_padded_split_one_eval_graph_and_upstream_eager_parity(tiny, trained_sta
 
 
 def assert_rows_match_up_to_near_ties(rows: np.ndarray, ref_rows: np.ndarray) -> None:
-    """Each image's detections (``[images, K, columns]``, best first) equal the reference's, boxes to 1e-2 px (of a
-    160 px image), where two detections whose scores agree to 1e-4 may come in either order (top-k of a near tie)."""
+    """Each image's detections (``[images, K, columns]``, best first) equal the reference's: label, and box to 1e-2 px
+    (of a 160 px image), where two detections whose scores agree to 1e-4 may come in either order (top-k of a near
+    tie): each is paired with the closest of the reference's near-tied ones of its label."""
     for image, (ours, ref) in enumerate(zip(rows, ref_rows)):
-        close_score = np.abs(ours[:, None, SCORE] - ref[None, :, SCORE]) <= 1e-4
-        close_box = np.abs(ours[:, None, BOXES] - ref[None, :, BOXES]).max(-1) <= 1e-2
-        free = np.ones(len(ref), dtype=bool)
-        for k, candidates in enumerate(close_score & close_box):
-            matches = np.flatnonzero(candidates & free)
-            assert matches.size, f"image {image} detection {k} {ours[k]}: no reference detection within tolerance"
-            free[matches[0]] = False
+        def distance(i: int, j: int) -> float:
+            same = ours[i, LABEL] == ref[j, LABEL]
+            return float(np.abs(ours[i, BOXES] - ref[j, BOXES]).max()) if same else np.inf
+
+        pairs = pair_near_ties(ours[:, SCORE], ref[:, SCORE], distance, atol=1e-4)
+        np.testing.assert_allclose(ours[:, BOXES], ref[pairs][:, BOXES], atol=1e-2, rtol=0, err_msg=f"image {image}")
 
 
 def test_the_train_split_is_evaluated_as_read_for_evaluation(tiny, first_eval):

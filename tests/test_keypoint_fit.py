@@ -16,6 +16,7 @@ import pytest
 import yaml
 from jobs import JobInputs, job_fixture
 from support.runs import cli
+from support.ties import pair_near_ties
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The fit's steps: what its tests read needs a replayed, evaluated run, not a trained one (OKS mAP >= 0; the
@@ -184,16 +185,17 @@ def _same_keypoint_results(ours: list[dict], theirs: list[dict]) -> None:
         mine = sorted((r for r in ours if r["image_id"] == image_id), key=lambda r: -r["score"])
         other = sorted((r for r in theirs if r["image_id"] == image_id), key=lambda r: -r["score"])
         np.testing.assert_allclose([r["score"] for r in mine], [r["score"] for r in other], atol=1e-5)
-        left = list(other)
-        for a in mine:
-            points = np.asarray(a["keypoints"]).reshape(-1, 3)
-            tied = [b for b in left if abs(b["score"] - a["score"]) <= 1e-5 and b["category_id"] == a["category_id"]]
-            assert tied, f"image {image_id}: no detection of category {a['category_id']} at score {a['score']}"
-            b = min(tied, key=lambda b: np.abs(np.asarray(b["keypoints"]).reshape(-1, 3) - points).max())
-            left.remove(b)
-            b_points = np.asarray(b["keypoints"]).reshape(-1, 3)
-            np.testing.assert_allclose(points[:, :2], b_points[:, :2], atol=1e-3)
-            np.testing.assert_allclose(points[:, 2], b_points[:, 2], atol=1e-5)
+        points = [np.asarray(r["keypoints"]).reshape(-1, 3) for r in mine]
+        ref_points = [np.asarray(r["keypoints"]).reshape(-1, 3) for r in other]
+
+        def distance(i: int, j: int) -> float:
+            same = mine[i]["category_id"] == other[j]["category_id"]
+            return float(np.abs(points[i] - ref_points[j]).max()) if same else np.inf
+
+        pairs = pair_near_ties([r["score"] for r in mine], [r["score"] for r in other], distance, atol=1e-5)
+        for a, j in zip(points, pairs):
+            np.testing.assert_allclose(a[:, :2], ref_points[j][:, :2], atol=1e-3, err_msg=f"image {image_id}")
+            np.testing.assert_allclose(a[:, 2], ref_points[j][:, 2], atol=1e-5, err_msg=f"image {image_id}")
 
 
 @pytest.mark.slow

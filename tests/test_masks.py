@@ -147,7 +147,8 @@ def test_seg_losses_and_gradients_equal_upstream(counts: list[int]) -> None:
 
 def test_packed_masks_sample_as_rfdetr_nearest_point_sample() -> None:
     """Bit-packed target masks read at points equal rfdetr's ``point_sample(mode="nearest")`` of the bool masks,
-    at random points and at exact pixel-centre ties."""
+    at random points and at exact pixel-centre ties, eagerly and on the XLA device (the row products in bf16)."""
+    import torch_xla
     from rfdetr.models.heads.segmentation import point_sample
 
     generator = torch.Generator().manual_seed(3)
@@ -160,6 +161,8 @@ def test_packed_masks_sample_as_rfdetr_nearest_point_sample() -> None:
         want = point_sample(masks.flatten(0, 1)[:, None].float(), coords.flatten(0, 1)[:, :, None],
                             align_corners=False, mode="nearest")
         assert torch.equal(sample_targets(packed, coords), want.view(2, 3, -1))
+        device = torch_xla.device()
+        assert torch.equal(sample_targets(packed.to(device), coords.to(device)).cpu(), want.view(2, 3, -1))
 
 
 def seg_tiny(num_queries: int = 8) -> tuple[ModelOptions, OptimOptions, Any]:

@@ -201,10 +201,11 @@ def test_keypoint_losses_and_costs_trace_on_xla_as_one_graph_without_host_reads(
 @pytest.mark.slow
 def test_keypoint_step_on_the_mesh_equals_upstream(mesh_trainer) -> None:
     """rfdetr's keypoint model (tiny; a root class without keypoints beside two with 3) compiled as ``fit``'s step on
-    the 4-device mesh in trace mode, against upstream rfdetr's eager CPU steps (its model, SetCriterion with its SciPy
-    matcher and the keypoint costs, clipping, AdamW) on the unpadded targets: step 1 to 1e-5 in every logged loss term
-    (the four keypoint terms among them) and 1e-4 relative L2 in the clipped gradients, step 2 (after one AdamW update)
-    within ``parity_tolerance``."""
+    the 4-device mesh (replay: step 2 is traced again, checked against step 1's program and replayed; trace mode
+    compiled the same program twice, as a first step's graph hash differs from a later step's), against upstream
+    rfdetr's eager CPU steps (its model, SetCriterion with its SciPy matcher and the keypoint costs, clipping, AdamW)
+    on the unpadded targets: step 1 to 1e-5 in every logged loss term (the four keypoint terms among them) and 1e-4
+    relative L2 in the clipped gradients, step 2 (after one AdamW update) within ``parity_tolerance``."""
     from spmd_rfdetr.config.options import DataOptions, ModelOptions, OptimOptions, TrainerOptions
     from spmd_rfdetr.data.pixels import upstream_float
     from spmd_rfdetr.model.loss import total_loss
@@ -246,7 +247,7 @@ def test_keypoint_step_on_the_mesh_equals_upstream(mesh_trainer) -> None:
     optimizer = build_optimizer(reference_net, cfgs)  # plain AdamW, as rfdetr trains
     net = build_model(cfgs)
     net.load_state_dict(init)
-    traced = build_trainer(mesh_trainer.fabric, cfgs, optim, TrainerOptions(precision="fp32", step_mode="trace"),
+    traced = build_trainer(mesh_trainer.fabric, cfgs, optim, TrainerOptions(precision="fp32", step_mode="replay"),
                            model=net)
     losses = []
     for step in range(1, 3):
@@ -268,4 +269,5 @@ def test_keypoint_step_on_the_mesh_equals_upstream(mesh_trainer) -> None:
             error = gradient_relative_error(traced.model.parameters(), reference_net.parameters())
             assert error <= 1e-4, f"gradient relative L2 error {error:.3g}"
         optimizer.step()
+    assert traced.step.mode == "replay", traced.step.fallback_reason  # step 2 replayed step 1's program
     print(f"keypoint step: losses (ours, upstream) {losses}")

@@ -247,8 +247,8 @@ def test_keypoint_step_on_the_mesh_equals_upstream(mesh_trainer) -> None:
     optimizer = build_optimizer(reference_net, cfgs)  # plain AdamW, as rfdetr trains
     net = build_model(cfgs)
     net.load_state_dict(init)
-    traced = build_trainer(mesh_trainer.fabric, cfgs, optim, TrainerOptions(precision="fp32", step_mode="replay"),
-                           model=net)
+    ours = build_trainer(mesh_trainer.fabric, cfgs, optim, TrainerOptions(precision="fp32", step_mode="replay"),
+                         model=net)
     losses = []
     for step in range(1, 3):
         static, targets = batch([3, 1, 0, 4])
@@ -256,7 +256,7 @@ def test_keypoint_step_on_the_mesh_equals_upstream(mesh_trainer) -> None:
         expected = reference(reference_net(upstream_float(static["images"])), targets)
         total_loss(expected, reference.weight_dict).backward()
         torch.nn.utils.clip_grad_norm_(reference_net.parameters(), optim.clip_max_norm)
-        stats = traced.step.read(traced.step(mesh_trainer.to_device(static)))
+        stats = ours.step.read(ours.step(mesh_trainer.to_device(static)))
         reference_loss = float(total_loss(expected, reference.weight_dict))
         losses.append((stats["loss"], reference_loss))
         assert abs(stats["loss"] - reference_loss) <= parity_tolerance(step) * reference_loss, (step, losses)
@@ -266,8 +266,8 @@ def test_keypoint_step_on_the_mesh_equals_upstream(mesh_trainer) -> None:
             for key in logged:
                 value = float(expected[key])
                 assert abs(stats[key] - value) <= 1e-5 * max(1.0, abs(value)), (key, stats[key], value)
-            error = gradient_relative_error(traced.model.parameters(), reference_net.parameters())
+            error = gradient_relative_error(ours.model.parameters(), reference_net.parameters())
             assert error <= 1e-4, f"gradient relative L2 error {error:.3g}"
         optimizer.step()
-    assert traced.step.mode == "replay", traced.step.fallback_reason  # step 2 replayed step 1's program
+    assert ours.step.mode == "replay", ours.step.fallback_reason  # step 2 replayed step 1's program
     print(f"keypoint step: losses (ours, upstream) {losses}")

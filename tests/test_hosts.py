@@ -201,8 +201,9 @@ def two_hosts_fit(inputs: JobInputs, out: Path) -> tuple[list[subprocess.Complet
 
 @pytest.mark.slow
 def test_two_hosts_fit_and_evaluate_as_one_host_with_a_gloo_default_group(two_hosts_fit, loop_run, synth_dir):
-    """Each of two hosts in one gloo group trains the loop fit's first steps with the losses of the one-host fit
-    (conftest's ``loop_run``, the same config, mesh and batches) bit for bit, in one replayed program; both evaluate
+    """Each of two hosts in one gloo group trains the loop fit's first steps in one replayed program, host 1 (not
+    donating, as the one-host fit) with the losses of the one-host fit (conftest's ``loop_run``, the same config, mesh
+    and batches) bit for bit (host 0 donates: :func:`test_donated_replay_trains_as_the_undonated_one`); both evaluate
     every image of the split once, with the same result; host 0 writes the run's files, each host its shards of the
     final checkpoint, which host 0 publishes whole. Fails when a host loads only its gloo share of the rows (half the
     batch here), or when a collective of rfdetr's reaches the traced step."""
@@ -213,10 +214,11 @@ def test_two_hosts_fit_and_evaluate_as_one_host_with_a_gloo_default_group(two_ho
         results.append(host_result(proc.stdout))
     reference = [r["loss"] for r in read_metrics(loop_run)[:HOST_FIT_STEPS]]
     evals = []
-    for r in results:
+    for rank, r in enumerate(results):
         assert r["world"] == 2 and r["left"]
         records = r["records"]
-        assert [x["loss"] for x in records] == reference, (records, reference)
+        assert len(records) == HOST_FIT_STEPS and (rank == 0 or [x["loss"] for x in records] == reference), (
+            records, reference)
         assert {x["step_mode"] for x in records} == {"replay"} and records[-1]["step_traces"] == 2
         evals.append({k: v for k, v in records[-1].items() if k.startswith("eval/")})
     assert evals[0] == evals[1] and evals[0]["eval/mAP"] >= 0, evals
@@ -231,12 +233,14 @@ def test_two_hosts_fit_and_evaluate_as_one_host_with_a_gloo_default_group(two_ho
 
 
 @pytest.mark.slow
-def test_donated_replay_equals_undonated_replay_and_trace_mode(two_hosts_fit, loop_run, trace_fit_run, loop_tiny):
-    """What every TPU runs, the replayed step donating its state (XLA input/output aliasing; on the CPU client too,
-    ``replay.donates_at_runtime``), trains as the undonated replay and trace mode do: the session's loop fit (replay,
-    donated, in this process) and its trace-mode fit give the same loss at each of the first :data:`TRACE_STEPS`
-    steps, and both two-host fit hosts, host 0 donating and host 1 not, the same losses at their
-    :data:`HOST_FIT_STEPS`, all bit for bit (measured 2026-12-06: equal to the last digit).
+def test_donated_replay_trains_as_the_undonated_one(two_hosts_fit, loop_run, trace_fit_run, loop_tiny):
+    """What every TPU runs, the replayed step donating its state (XLA input/output aliasing), trains as the undonated
+    replay does: host 0 of the two-host fit donates (``SPMD_RFDETR_DONATE_ON_CPU=1``), host 1 does not. Step 1's loss
+    (before any donated update) bit for bit, the :data:`HOST_FIT_STEPS` losses to 1e-3: XLA's CPU client does not give
+    donated programs bit-equal results on every CPU (``replay._compile``: on a 2-core AMD EPYC the loop fit's donated
+    runs parted at step 2-4, the loss at step 4 by up to 5e-7, at step 5 by 9e-3; on Intel, bit for bit). The
+    session's loop fit (replay, undonated, in this process) and its trace-mode fit give the same loss at each of the
+    first :data:`TRACE_STEPS` steps, and host 1 the loop fit's, bit for bit.
 
     And the arms are what they say: torch_xla's ``InputOutputAliasCount`` shows host 0 compiling a program that
     donates at least the weights and both AdamW moments (measured: 576 inputs for 113 trainable parameters), and
@@ -244,8 +248,10 @@ def test_donated_replay_equals_undonated_replay_and_trace_mode(two_hosts_fit, lo
     donated, undonated = (host_result(proc.stdout) for proc in two_hosts_fit[0])
     replay, trace = ([r["loss"] for r in read_metrics(run)[:TRACE_STEPS]] for run in (loop_run, trace_fit_run))
     assert len(replay) == len(trace) == TRACE_STEPS and replay == trace, (replay, trace)
-    hosts_losses = [[r["loss"] for r in host["records"]] for host in (donated, undonated)]
-    assert hosts_losses == [replay[:HOST_FIT_STEPS]] * 2, (hosts_losses, replay)
+    donated_losses, undonated_losses = ([r["loss"] for r in host["records"]] for host in (donated, undonated))
+    assert undonated_losses == replay[:HOST_FIT_STEPS], (undonated_losses, replay)
+    assert donated_losses[0] == replay[0] and donated_losses == pytest.approx(replay[:HOST_FIT_STEPS], rel=1e-3), (
+        donated_losses, replay)
     state = 3 * sum(p.requires_grad for p in loop_tiny.model().parameters())  # weights, exp_avg, exp_avg_sq
     assert max(donated["aliases"]) >= state and max(undonated["aliases"], default=0) < state, (
         donated["aliases"], undonated["aliases"], state)

@@ -282,11 +282,11 @@ def test_a_program_dropped_from_the_compilation_cache_is_compiled_again(mesh_tra
     assert replayer(x).cpu().item() == 64.0 and replayer.traces == 2
 
 
-@pytest.mark.parametrize("setting", [None, "0"], ids=["default", "off"])
-def test_a_replay_donates_the_state_it_updates_unless_turned_off(mesh_trainer, monkeypatch, setting):
-    """By default (as on a TPU) the replayed program reuses the buffers of the state it updates for its results, on
-    XLA's CPU client too: a reference to the pre-step data is gone after the replay. With
-    ``SPMD_RFDETR_DONATE_ON_CPU=0`` that data stays readable."""
+@pytest.mark.parametrize("setting", [None, "1"], ids=["default", "on"])
+def test_a_replay_on_the_cpu_donates_the_state_it_updates_only_when_asked(mesh_trainer, monkeypatch, setting):
+    """With ``SPMD_RFDETR_DONATE_ON_CPU=1`` (as a TPU always does) the replayed program reuses the buffers of the
+    state it updates for its results: a reference to the pre-step data is gone after the replay. By default, on XLA's
+    CPU client, that data stays readable (``replay._compile``: why)."""
     import torch_xla.core.xla_model as xm
 
     if setting is None:

@@ -295,13 +295,15 @@ def _compile(program: Program, inputs: list[torch.Tensor], outputs: list[torch.T
     part of the graph hash, so the program's hash is taken again under the same config. Every execution of the
     compiled program then donates those inputs (PJRT follows the executable's aliasing).
 
-    On XLA's CPU client too (:func:`donates_at_runtime`), so the suite runs the program a TPU runs. The differences
-    once blamed on donation here (2026-12-01: 1e-4 at a fit's first replayed step; 2026-12-06: step 6 of the
-    preempted run in about one run in three) were a host-side race, not this path: the loader's prefetch thread
-    seeded samples through torch's global RNG while an evaluation drew from it (``data.batches.HOST_RNG`` since).
-    With it fixed, 10 of 10 donated runs of that config trained step 6 as the undonated run does; a two-host fit
-    with one host donating and one not gives both the same losses bit for bit, as trace mode does
-    (tests/test_hosts.py ``test_donated_replay_equals_undonated_replay_and_trace_mode``)."""
+    On XLA's CPU client only when asked (:func:`donates_at_runtime`): there a donated program's results are not
+    deterministic on every CPU. Measured 2026-12-07 on a 2-core AMD EPYC (AVX2, no AVX-512), the loop fit of
+    tests/test_replay.py: donated, two runs of the same config parted at step 2-4 and by up to 0.09 in the loss at step 5
+    (7 of 7 runs failed the comparison with trace mode; also with a wait for the device before and after every replayed
+    run, and with every state tensor copied into fresh buffers first); undonated, runs were equal bit for bit to each
+    other and to trace mode. On the
+    Intel machines of 2026-12-06, donated runs were equal to undonated ones bit for bit (10 of 10). A TPU has its own
+    runtime: ``pytest -m tpu`` resumes a preempted, donating fit bit for bit on the chip. The suite's donated arm is
+    one host of the two-host fit (tests/test_hosts.py ``test_donated_replay_trains_as_the_undonated_one``)."""
     donated = program.donated(inputs) if donates_at_runtime() else []
     for value in donated:
         _X._set_buffer_donation(value, True)
@@ -314,14 +316,14 @@ def _compile(program: Program, inputs: list[torch.Tensor], outputs: list[torch.T
             _X._set_buffer_donation(value, False)
 
 
-#: ``0`` keeps the training state undonated on XLA's CPU client (donated there by default, as on a TPU: see
-#: :func:`_compile`); a TPU always donates.
+#: ``1`` donates the training state on XLA's CPU client too, as a TPU always does (off by default there: its donated
+#: results are not deterministic on every CPU, see :func:`_compile`).
 DONATE_ON_CPU_ENV = "SPMD_RFDETR_DONATE_ON_CPU"
 
 
 def donates_at_runtime() -> bool:
-    """Whether the replayed program reuses the state's buffers for its outputs on this backend."""
-    return xr.device_type() != "CPU" or os.environ.get(DONATE_ON_CPU_ENV, "1") != "0"
+    """Whether the replayed program reuses the state's buffers for its outputs on this backend (a TPU: always)."""
+    return xr.device_type() != "CPU" or os.environ.get(DONATE_ON_CPU_ENV, "0") == "1"
 
 
 def _evicted(error: RuntimeError) -> bool:

@@ -146,6 +146,8 @@ def test_a_rollback_then_a_sigterm_keeps_the_new_branch(story: Story) -> None:
     assert step_of(aside / "last.pth") == LOOP_STEPS
     assert "moved to" in story.log and "abandoned branch" in story.log
     assert [r["step"] for r in story.after_rollback] == list(range(1, ROLLBACK_SIGTERM + 1))
+    resumed = story.after_rollback[ROLLBACK_TO]  # step 17, the first after the resume, in the same process
+    assert resumed["xla_new_compiles"] == 0, resumed  # the loaded state hashes as the fresh one did
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, LOOP_STEPS + 1))
     assert f"resumed from {out / 'checkpoints' / f'step_{ROLLBACK_SIGTERM:08d}'} at step {ROLLBACK_SIGTERM}" \

@@ -56,7 +56,7 @@ from spmd_rfdetr.model.loss import total_loss
 from spmd_rfdetr.xla.lowering import Lowered
 from spmd_rfdetr.xla.openxla_fix import apply_bridge_fix
 from spmd_rfdetr.xla.parallelize import init_optimizer_state
-from spmd_rfdetr.xla.replay import Replayer, ReplayUnsafe, replicate_unannotated
+from spmd_rfdetr.xla.replay import Replayer, ReplayUnsafe, hold_as_device_data, replicate_unannotated
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +164,7 @@ class TrainStep:
         self.first_nonfinite = torch.full((), -1.0, dtype=torch.float32, device=device)
         init_optimizer_state(optimizer)  # the first trace is already the steady-state graph (this syncs)
         replicate_unannotated(self.state())  # ... with the input shardings the step's own outputs will have
+        hold_as_device_data(self.state())  # ... and hashed as every later trace is (one compile, a cache hit on resume)
         self._replayer = Replayer(self._step, self.state)
         self._compiled = torch_xla.compile(self._step, full_graph=full_graph, name="train_step")
         if self.mode == "openxla":

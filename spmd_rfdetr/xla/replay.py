@@ -345,6 +345,23 @@ def replicate_unannotated(tensors: list[torch.Tensor]) -> None:
             xs.mark_sharding(t, mesh, (None,) * t.dim())
 
 
+def hold_as_device_data(tensors: list[torch.Tensor]) -> None:
+    """Give each materialized XLA tensor a ``device_data`` IR node over its own buffer, as replayed outputs and loaded
+    checkpoints have.
+
+    A fresh run's state holds bare buffers (the outputs of a sync); torch_xla hashes a graph over bare buffers apart
+    from the same graph over ``device_data`` nodes, so without this the first step compiles again at its next trace
+    (trace mode's step 2, a resume in the same process) and a resumed process misses the persistent compile cache.
+    """
+    torch_xla.sync()
+    xm.wait_device_ops()  # a result still in flight has no shards yet: wrapping it crashes the process
+    tensors = [t for t in tensors if t.device.type == "xla"]
+    pending = _X._check_tensor_need_materialization(tensors) if tensors else []
+    for tensor, is_pending in zip(tensors, pending):
+        if not is_pending:
+            tensor.data = _X._get_tensors_xla_device_data_node([tensor], [])[1][0]
+
+
 def _stray_pending(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Python-reachable XLA tensors with pending work that are not among ``outputs`` (one scan, at trace time; a full
     ``gc.collect`` only when the scan finds some: garbage in reference cycles may hold them, and a collection costs

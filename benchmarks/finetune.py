@@ -10,6 +10,7 @@ rfdetr's LR (1e-4 decoder, 1.5e-4 encoder):
 
 - ``ours``: ``fit`` on the 4-device CPU mesh, exactly as ``batch_lr.py``'s ``b8`` arm (fp32); its ``last.pth`` (EMA);
 - ``ours-bf16``: the same with ``--trainer.precision bf16`` (autocast, fp32 weights: how the TPU recipes train);
+- ``ours-bf16-streams``: ``ours-bf16`` with ``--trainer.bf16_streams true`` (the residual streams in bf16);
 - ``upstream``: rfdetr's own trainer, ``RFDETRNano(...).train(pretrain_weights=<the same checkpoint>, ...)`` (eager,
   CPU, a process without torch_xla), given our recipe and our LR factor per step (``convergence.py``'s
   ``upstream_train_kwargs(match_lr=True)``); its DINOv2 built with 6 blocks by the patch our builder uses
@@ -21,7 +22,9 @@ Every arm's final EMA weights are scored the same way: upstream's eager model, P
 at B. Runs land in ``--out`` (a run with ``score.json`` is reused); before each training run the script waits while
 ``/tmp/cores_reserved`` exists, and starts none after ``--deadline``. Writes ``benchmarks/results/finetune-<date>.
 {json,png}``: per run arm, seed, mAP, mAP50, wall s; per arm mean, sample std, standard error; the gaps ours -
-upstream and ours-bf16 - ours with the standard error of the difference, sqrt(se_a^2 + se_b^2).
+upstream, ours-bf16 - ours and ours-bf16-streams - ours-bf16 with the standard error of the difference,
+sqrt(se_a^2 + se_b^2), and for two of our arms (same seed, same data order and draws) the paired one: mean and SE of
+the per-seed differences. ``--baseline`` takes the runs of an arm not run in ``--out`` from an earlier result JSON.
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ from convergence import (NOT_MATCHED, _env_without_xla, _train_images, eager_sta
                          spread, upstream_train_kwargs)
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = {"ours": [], "upstream": None, "ours-bf16": ["--trainer.precision", "bf16"]}
+ARMS = {"ours": [], "upstream": None, "ours-bf16": ["--trainer.precision", "bf16"],
+        "ours-bf16-streams": ["--trainer.precision", "bf16", "--trainer.bf16_streams", "true"]}
 RESERVED = Path("/tmp/cores_reserved")
 #: (arm, reference arm) pairs whose mean gap is reported
-GAPS = [("ours", "upstream"), ("ours-bf16", "ours")]
+GAPS = [("ours", "upstream"), ("ours-bf16", "ours"), ("ours-bf16-streams", "ours-bf16")]
 
 
 def may_start(a: argparse.Namespace) -> bool:
@@ -141,6 +145,7 @@ def child_cmd(a: argparse.Namespace, *extra: str) -> list[str]:
 
 
 def collect(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """The scored runs in ``--out``, and ``--baseline``'s runs of the arms with none there."""
     runs = []
     for arm in a.arms:
         for seed in a.seeds:
@@ -150,6 +155,11 @@ def collect(a: argparse.Namespace) -> list[dict[str, Any]]:
                 runs.append({"arm": arm, "seed": seed, "mAP": s["mAP"], "mAP50": s["mAP50"], "wall_s": t["wall_s"],
                              "steps": t["steps"], **{k: v for k, v in t.items() if k.startswith("own_eval")},
                              **({"note": t["note"]} if "note" in t else {})})  # a note: wall_s not comparable
+    if a.baseline:
+        here = {r["arm"] for r in runs}
+        earlier = json.loads(a.baseline.read_text())["runs"]
+        runs += [{**r, "from": str(a.baseline)} for r in earlier
+                 if r["arm"] in a.arms and r["arm"] not in here and r["seed"] in a.seeds]
     return runs
 
 
@@ -163,6 +173,11 @@ def report(a: argparse.Namespace, argv: list[str]) -> None:
         if arm in summary and ref in summary and min(summary[arm]["mAP"]["n"], summary[ref]["mAP"]["n"]) > 1:
             x, y = summary[arm]["mAP"], summary[ref]["mAP"]
             gaps[f"{arm} - {ref}"] = {"mAP": x["mean"] - y["mean"], "se": (x["se"] ** 2 + y["se"] ** 2) ** 0.5}
+            seeds = {r["seed"]: r["mAP"] for r in runs if r["arm"] == ref}
+            pairs = [r["mAP"] - seeds[r["seed"]] for r in runs if r["arm"] == arm and r["seed"] in seeds]
+            if "upstream" not in (arm, ref) and len(pairs) > 1:  # ours' arms share each seed's data order and draws
+                paired = spread(pairs)
+                gaps[f"{arm} - {ref}"]["paired"] = {"mAP": paired["mean"], "se": paired["se"], "n": paired["n"]}
     print("\n| arm | n | mAP mean ± std | SE | mAP50 mean ± std | SE | wall s (mean) |")
     print("|---|---|---|---|---|---|---|")
     for arm in arms:
@@ -172,6 +187,9 @@ def report(a: argparse.Namespace, argv: list[str]) -> None:
               f"{s['wall_s']['mean']:.0f} |")
     for name, g in gaps.items():
         print(f"gap {name}: {g['mAP'] * 100:+.2f} AP ± {g['se'] * 100:.2f} (SE of the difference)")
+        if "paired" in g:
+            print(f"  paired by seed: {g['paired']['mAP'] * 100:+.2f} AP ± {g['paired']['se'] * 100:.2f} "
+                  f"(n={g['paired']['n']})")
     verify = [json.loads((a.out / f"upstream-seed{s}" / "train.json").read_text())["verify"]
               for s in a.seeds if (a.out / f"upstream-seed{s}" / "train.json").exists()]
     path = a.json or ROOT / "benchmarks" / "results" / f"finetune-{datetime.date.today().isoformat()}.json"
@@ -224,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=datetime.datetime.fromisoformat,
                    help="UTC time (ISO, e.g. 2026-12-06T10:45+00:00) after which no run starts")
     p.add_argument("--json", type=Path, help="result JSON (default benchmarks/results/finetune-<date>.json)")
+    p.add_argument("--baseline", type=Path, help="an earlier result JSON: its runs of arms with none in --out")
     p.add_argument("--_child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a._child == "score":
@@ -238,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, "benchmarks/batch_lr.py", "--out", str(a.pretrain.parents[1]), "--data",
                         str(a.data), "--arms", "b8", "--seeds", "1"], check=True, cwd=ROOT)
     a.out.mkdir(parents=True, exist_ok=True)
+    earlier = {r["arm"] for r in json.loads(a.baseline.read_text())["runs"]} if a.baseline else set()
     for arm in a.arms:
+        if arm in earlier:  # its runs come from --baseline
+            continue
         print(f"== {arm}", flush=True)
         if arm != "upstream":
             subprocess.run(child_cmd(a, "--_child", arm), check=True, cwd=ROOT)

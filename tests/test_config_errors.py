@@ -48,6 +48,9 @@ CASES = {
                                "model.pretrain_weights=auto (the default: rf-detr-nano.pth) starts from weights: set "
                                "model.pretrain_weights: null (--model.pretrain_weights null) to train it from scratch"),
     "cpu_devices": (edited(mesh={"cpu_devices": 0}), None, "mesh.cpu_devices=0 must be >= 1"),
+    "bf16_streams_fp32": (edited(trainer={"bf16_streams": True}), None,
+                          "trainer.bf16_streams=true rounds activations to bf16 under bf16 autocast; with "
+                          "trainer.precision=fp32 it would do nothing"),
     "mesh_divides": (edited(mesh={"data": 3}), 4, "mesh.data=3 must divide the 4 devices (or be -1 for all)"),
     "batch_axis": (edited(data={"global_batch_size": 6}), 4,
                    "data.global_batch_size=6 does not divide by the data axis (4 devices): use a multiple of 4, "

@@ -131,6 +131,9 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
         problems.append(f"mesh.fsdp_min_numel={cfg.mesh.fsdp_min_numel} must be >= 1")
     if cfg.mesh.cpu_devices is not None and cfg.mesh.cpu_devices < 1:
         problems.append(f"mesh.cpu_devices={cfg.mesh.cpu_devices} must be >= 1")
+    if t.bf16_streams and t.precision != "bf16":
+        problems.append(f"trainer.bf16_streams=true rounds activations to bf16 under bf16 autocast; with "
+                        f"trainer.precision={t.precision} it would do nothing: set trainer.precision=bf16 or drop it")
     if device_count is not None and t.precision == "bf16" and _backend() == "CPU":
         _warn_once(
             "trainer.precision=bf16 on the XLA CPU backend: the CPU has no fast bf16 matmuls (slower than fp32 here) "

@@ -15,6 +15,7 @@ import torch
 
 from spmd_rfdetr.config.options import MeshOptions, ModelOptions, OptimOptions, TrainerOptions
 from spmd_rfdetr.model.loss import build_criterion
+from spmd_rfdetr.model.streams import round_streams_to_bf16
 from spmd_rfdetr.model.upstream import UpstreamConfigs, build_model, build_upstream_criterion
 from spmd_rfdetr.training.ema import DeviceEMA
 from spmd_rfdetr.training.optim import DeviceLRSchedule, build_optimizer
@@ -57,6 +58,8 @@ def build_trainer(
     tunes the parameter sharding, whose ``fsdp`` size is that of ``fabric``'s mesh.
     """
     net = build_model(cfgs, training=True) if model is None else model
+    if trainer.bf16_streams and trainer.precision == "bf16":
+        round_streams_to_bf16(net)  # before the EMA copies the model: its evaluations round as training does
     criterion = build_criterion(build_upstream_criterion(cfgs)[0], solver=trainer.matcher).train()
     optimizer = build_optimizer(net, cfgs, on_device=True)
     net, optimizer = fabric.setup(net, optimizer)

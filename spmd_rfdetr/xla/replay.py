@@ -297,13 +297,13 @@ def _compile(program: Program, inputs: list[torch.Tensor], outputs: list[torch.T
 
     On XLA's CPU client only when asked (:func:`donates_at_runtime`): there a donated program's results are not
     deterministic on every CPU. Measured 2026-12-07 on a 2-core AMD EPYC (AVX2, no AVX-512), the loop fit of
-    tests/test_replay.py: donated, two runs of the same config parted at step 2-4 and by up to 0.09 in the loss at step 5
-    (7 of 7 runs failed the comparison with trace mode; also with a wait for the device before and after every replayed
-    run, and with every state tensor copied into fresh buffers first); undonated, runs were equal bit for bit to each
-    other and to trace mode. On the
-    Intel machines of 2026-12-06, donated runs were equal to undonated ones bit for bit (10 of 10). A TPU has its own
-    runtime: ``pytest -m tpu`` resumes a preempted, donating fit bit for bit on the chip. The suite's donated arm is
-    one host of the two-host fit (tests/test_hosts.py ``test_donated_replay_trains_as_the_undonated_one``)."""
+    tests/test_replay.py: donated, two runs of the same config parted at step 2-4 and by up to 0.09 in the loss at
+    step 5 (7 of 7 runs failed the comparison with trace mode; also with a wait for the device before and after every
+    replayed run, and with every state tensor copied into fresh buffers first); undonated, runs were equal bit for
+    bit to each other and to trace mode. On the Intel machines of 2026-12-06, donated runs were equal to undonated
+    ones bit for bit (10 of 10). A TPU has its own runtime: ``pytest -m tpu`` resumes a preempted, donating fit bit
+    for bit on the chip. The suite's donated arm is one host of the two-host fit (tests/test_hosts.py
+    ``test_donated_replay_trains_as_the_undonated_one``)."""
     donated = program.donated(inputs) if donates_at_runtime() else []
     for value in donated:
         _X._set_buffer_donation(value, True)

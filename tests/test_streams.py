@@ -41,16 +41,16 @@ def _forward(net: torch.nn.Module, tiny: Any, autocast: bool) -> tuple[dict[str,
 
 
 def test_the_residual_streams_are_bf16_under_autocast_and_untouched_outside(loop_tiny: Any) -> None:
-    """Every LayerNorm but the two-stage proposals', DINOv2 layer scale and embeddings hooked; in fp32 the outputs bit-equal an unhooked model's;
-    under bf16 autocast every DINOv2 and decoder layer returns bf16 (float32 without the hooks), the EMA's deepcopy
-    too, and the backbone's output stays within 5% of fp32 (and 4x autocast's own error). Fails with the hooks a no-op
-    (seen: the streams stay float32)."""
+    """Every LayerNorm but the two-stage proposals', DINOv2 layer scale and embeddings hooked; in fp32 the outputs
+    bit-equal an unhooked model's; under bf16 autocast every DINOv2 and decoder layer returns bf16 (float32 without
+    the hooks), the EMA's deepcopy too, and the backbone's output stays within 5% of fp32 (and 4x autocast's own
+    error). Fails with the hooks a no-op (seen: the streams stay float32)."""
     tiny = loop_tiny  # one DINOv2 layer at 64 px: the hooks are per module, one of each is enough
     plain, rounded = tiny.model(), tiny.model()
     norms = sum(isinstance(m, torch.nn.LayerNorm) and "enc_output_norm" not in name
                 for name, m in rounded.named_modules())
     layers = sum(type(m).__name__ == "WindowedDinov2WithRegistersLayer" for m in rounded.modules())
-    assert layers >= 1 and round_streams_to_bf16(rounded) == norms + 2 * layers + 1  # 2 layer scales a layer, embeddings
+    assert layers >= 1 and round_streams_to_bf16(rounded) == norms + 2 * layers + 1  # 2 layer scales a layer, +1
 
     reference, _ = _forward(plain, tiny, autocast=False)
     same, _ = _forward(rounded, tiny, autocast=False)

@@ -192,8 +192,9 @@ class TrainerOptions:
     """``bf16``: bf16 matmuls with fp32 weights (autocast); ``fp32``: full precision."""
     bf16_streams: bool = False
     """With ``precision: bf16``, keep the residual streams (every LayerNorm's output but the two-stage proposals',
-    DINOv2's embeddings and layer scales) in bf16 instead of float32, as TPU trainers keep activations; weights, optimizer and loss stay float32
-    (:mod:`spmd_rfdetr.model.streams`). Fewer HBM bytes per step; a numerics change (``benchmarks/README.md``)."""
+    DINOv2's embeddings and layer scales) in bf16 instead of float32, as TPU trainers keep activations; weights,
+    optimizer and loss stay float32 (:mod:`spmd_rfdetr.model.streams`). Fewer HBM bytes per step; a numerics change
+    (``benchmarks/README.md``)."""
     seed: int = 42
     """Seed for model init and data order."""
     matcher: Literal["device", "scipy"] = "device"

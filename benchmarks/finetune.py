@@ -155,11 +155,9 @@ def collect(a: argparse.Namespace) -> list[dict[str, Any]]:
                 runs.append({"arm": arm, "seed": seed, "mAP": s["mAP"], "mAP50": s["mAP50"], "wall_s": t["wall_s"],
                              "steps": t["steps"], **{k: v for k, v in t.items() if k.startswith("own_eval")},
                              **({"note": t["note"]} if "note" in t else {})})  # a note: wall_s not comparable
-    if a.baseline:
-        here = {r["arm"] for r in runs}
-        earlier = json.loads(a.baseline.read_text())["runs"]
-        runs += [{**r, "from": str(a.baseline)} for r in earlier
-                 if r["arm"] in a.arms and r["arm"] not in here and r["seed"] in a.seeds]
+    here = {r["arm"] for r in runs}
+    runs += [{**r, "from": str(a.baseline)} for r in a.earlier
+             if r["arm"] in a.arms and r["arm"] not in here and r["seed"] in a.seeds]
     return runs
 
 
@@ -245,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", type=Path, help="an earlier result JSON: its runs of arms with none in --out")
     p.add_argument("--_child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    a.earlier = json.loads(a.baseline.read_text())["runs"] if a.baseline else []  # --baseline's runs, read once
     if a._child == "score":
         score_child(a)
     elif a._child == "upstream":
@@ -257,9 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, "benchmarks/batch_lr.py", "--out", str(a.pretrain.parents[1]), "--data",
                         str(a.data), "--arms", "b8", "--seeds", "1"], check=True, cwd=ROOT)
     a.out.mkdir(parents=True, exist_ok=True)
-    earlier = {r["arm"] for r in json.loads(a.baseline.read_text())["runs"]} if a.baseline else set()
     for arm in a.arms:
-        if arm in earlier:  # its runs come from --baseline
+        if any(r["arm"] == arm for r in a.earlier):  # its runs come from --baseline
             continue
         print(f"== {arm}", flush=True)
         if arm != "upstream":

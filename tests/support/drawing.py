@@ -75,21 +75,31 @@ def check_drawing(original: Path, drawn: Path, rows: list[dict[str, Any]]) -> di
     return {"far": int(far.sum()), "changed": int((change > 0).sum())}
 
 
-def changed_inside_masks(before: np.ndarray, after: np.ndarray, rows: list[dict[str, Any]]) -> list[float]:
-    """Per seg result, the fraction of its mask's pixels (away from its box's edges and label) that changed."""
+def mask_interior(row: dict[str, Any]) -> np.ndarray:
+    """``[H, W]`` bool: a seg result's mask away from its box's edges and its label (where only the mask is drawn)."""
     from pycocotools import mask as mask_util
 
+    x, y, w, h = (int(v) for v in row["bbox"])
+    inside = mask_util.decode(row["segmentation"]) > 0
+    inside[max(0, y - LABEL_H):max(0, y + 4), max(0, x - 3):max(0, x + LABEL_W)] = False  # the label
+    edges = np.zeros_like(inside)
+    edges[max(0, y - 3):max(0, y + h + 4), max(0, x - 3):max(0, x + w + 4)] = True
+    edges[max(0, y + 4):max(0, y + h - 3), max(0, x + 4):max(0, x + w - 3)] = False  # the box's outline, 2 px wide, with room
+    return inside & ~edges
+
+
+#: Fewest interior pixels a mask needs for the fraction of them that changed to say something.
+MIN_INTERIOR = 10
+
+
+def changed_inside_masks(before: np.ndarray, after: np.ndarray, rows: list[dict[str, Any]]) -> list[float]:
+    """Per seg result with at least :data:`MIN_INTERIOR` pixels of :func:`mask_interior`, the fraction of them that
+    changed."""
     changed = np.abs(after.astype(np.int64) - before.astype(np.int64)).sum(-1) > 0
     fractions = []
     for row in rows:
-        x, y, w, h = (int(v) for v in row["bbox"])
-        inside = mask_util.decode(row["segmentation"]) > 0
-        inside[max(0, y - LABEL_H):max(0, y + 4), max(0, x - 3):max(0, x + LABEL_W)] = False  # the label
-        edges = np.zeros_like(inside)
-        edges[max(0, y - 3):max(0, y + h + 4), max(0, x - 3):max(0, x + w + 4)] = True
-        edges[max(0, y + 4):max(0, y + h - 3), max(0, x + 4):max(0, x + w - 3)] = False  # the box's outline, 2 px wide, with room
-        inside &= ~edges
-        if inside.sum() >= 10:
+        inside = mask_interior(row)
+        if inside.sum() >= MIN_INTERIOR:
             fractions.append(float(changed[inside].mean()))
     return fractions
 

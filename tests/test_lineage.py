@@ -27,6 +27,13 @@ from spmd_rfdetr.training.metrics import xla_counters
 from spmd_rfdetr.training.stops import SIGTERM_AT_STEP_ENV
 
 EVAL_EVERY, SAVE_EVERY, ROLLBACK_TO, ROLLBACK_SIGTERM = 12, 8, 16, 20
+#: Relative loss bound, against the straight run, for the steps from a run's first save (a host pause of a second or
+#: more) on. XLA's CPU client computes a step an ulp differently at random once the host pauses (2026-12-07, AMD EPYC:
+#: a plain 1.5 s sleep in place of each save at steps 8 and 16 parted 1 of 3 runs from the straight one, at step 13;
+#: undisturbed runs were equal in 5 of 5), and this fit's near-tied proposals turn an ulp into up to 2.5e-3 (a suite
+#: run: step 8, the step in flight when its save began, 11.1681 vs 11.1964). A resume that lost the training moves a
+#: loss by far more (the first steps' losses are ~8% above step 10's).
+AFTER_PAUSE = 1e-2
 
 
 @dataclass
@@ -162,9 +169,10 @@ def test_a_sigterm_during_a_save_publishes_it_and_stops_after_the_next_step(tiny
                                                                            tmp_path_factory) -> None:
     """A real SIGTERM while step 8's checkpoint is being saved (its files written, held 1 s before the publish): the
     save is published whole, the run trains one more step, saves it and returns; ``--trainer.resume auto`` trains
-    the rest, each step logged once, the steps after the resume point equal to the straight run's to 1e-6 (as
-    test_resume compares: two steps past the resume). Fails if the signal interrupts the save (no ``step_8``) or the
-    stop is lost (the run goes on to the end)."""
+    the rest, each step logged once; the steps before the first save equal to the straight run's to 1e-6, the steps
+    from it to two past the resume point within :data:`AFTER_PAUSE` (test_resume's preempted run compares its resumed
+    steps to 1e-6). Fails if the signal interrupts the save (no ``step_8``) or the stop is lost (the run goes on to
+    the end)."""
     base = tmp_path_factory.mktemp("sigterm-in-save")
     cfg = loop_config(tiny, synth_dir, base, "replay")
     cfg.trainer.resume = "auto"
@@ -183,4 +191,5 @@ def test_a_sigterm_during_a_save_publishes_it_and_stops_after_the_next_step(tiny
     records, straight = read_metrics(out), {r["step"]: r["loss"] for r in read_metrics(loop_run)}
     assert [r["step"] for r in records] == list(range(1, LOOP_STEPS + 1))
     for r in records[:stop_step + 2]:
-        assert abs(r["loss"] - straight[r["step"]]) <= 1e-6 * abs(straight[r["step"]]), (r["step"], r["loss"])
+        bound = 1e-6 if r["step"] < SAVE_EVERY else AFTER_PAUSE
+        assert abs(r["loss"] - straight[r["step"]]) <= bound * abs(straight[r["step"]]), (r["step"], r["loss"])

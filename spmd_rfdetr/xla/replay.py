@@ -204,7 +204,7 @@ class Replayer:
         replicate_unannotated(before)
         device = next(iter(batch.values())).device
         seed = xm.get_rng_state(device)
-        snapshot = [(t, _X._get_tensors_xla_device_data_node([t], [])[1][0]) for t in before]
+        snapshot = [(t, _device_data(t)) for t in before]
         restore = {id(t): (t, w) for t, w in snapshot}
         try:
             # wrapping relabelled each tensor's device data with its wrapper's id: the trace finds the state by those
@@ -361,7 +361,12 @@ def hold_as_device_data(tensors: list[torch.Tensor]) -> None:
     pending = _X._check_tensor_need_materialization(tensors) if tensors else []
     for tensor, is_pending in zip(tensors, pending):
         if not is_pending:
-            tensor.data = _X._get_tensors_xla_device_data_node([tensor], [])[1][0]
+            tensor.data = _device_data(tensor)
+
+
+def _device_data(tensor: torch.Tensor) -> torch.Tensor:
+    """A new tensor whose IR is a ``device_data`` node over ``tensor``'s buffer (materialized, nothing pending)."""
+    return _X._get_tensors_xla_device_data_node([tensor], [])[1][0]
 
 
 def _stray_pending(outputs: list[torch.Tensor]) -> list[torch.Tensor]:

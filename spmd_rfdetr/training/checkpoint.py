@@ -37,7 +37,7 @@ from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDS
 from spmd_rfdetr.config.options import ConfigError
 from spmd_rfdetr.training.build import Trainer, unwrap
 from spmd_rfdetr.xla import hosts
-from spmd_rfdetr.xla.replay import replicate_unannotated
+from spmd_rfdetr.xla.lazy_state import replicate_unannotated
 
 log = logging.getLogger(__name__)
 

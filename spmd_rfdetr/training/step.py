@@ -56,7 +56,8 @@ from spmd_rfdetr.model.loss import total_loss
 from spmd_rfdetr.xla.lowering import Lowered
 from spmd_rfdetr.xla.openxla_fix import apply_bridge_fix
 from spmd_rfdetr.xla.parallelize import init_optimizer_state
-from spmd_rfdetr.xla.replay import Replayer, ReplayUnsafe, hold_as_device_data, replicate_unannotated
+from spmd_rfdetr.xla.lazy_state import hold_as_device_data, replicate_unannotated
+from spmd_rfdetr.xla.replay import Replayer, ReplayUnsafe
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ and README scripts, two gloo hosts) run as background jobs beside the in-process
 busy, one thread per process, up to 17 GB of memory in use); the tests of the training loop (preemption and resume, step
 modes, non-finite steps, 8 devices, openxla, multi-scale buckets, the benchmark report, several hosts) train
 :data:`support.models.LOOP_MODEL`, RF-DETR Nano with one DINOv2 block and one decoder layer at 64 px
-(``model.backbone_blocks``), while parity with upstream, EMA, accumulation, evaluation and interop use the 12-block
-:data:`support.models.TINY_MODEL`; XLA's CPU code generator runs without LLVM optimisation
+(``model.backbone_blocks``), while parity with upstream, EMA, accumulation, evaluation and interop use the 4-block
+:data:`support.models.TINY_MODEL` at 128 px; XLA's CPU code generator runs without LLVM optimisation
 (:data:`support.environment.CPU_XLA_FLAGS`: compiles 2-3x faster, steps 1.8x slower); the fits and the fresh-weights
 steps are made once per session and read by several tests.
 """

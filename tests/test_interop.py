@@ -37,7 +37,8 @@ saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
 m = saved["config"]["model"]
 model = RFDETRNano(pretrain_weights=checkpoint, num_classes=m["num_classes"], resolution=m["resolution"],
                    num_queries=m["num_queries"], num_select=saved["model_config"]["num_select"],
-                   group_detr=m["group_detr"], dec_layers=m["dec_layers"])
+                   group_detr=m["group_detr"], dec_layers=m["dec_layers"],
+                   out_feature_indexes=saved["model_config"]["out_feature_indexes"])  # 4 blocks: [1, 2, 3, 4]
 restored = RFDETR.from_checkpoint(checkpoint)
 assert "torch_xla" not in sys.modules, "upstream ran with torch_xla imported"
 best_model = RFDETR.from_checkpoint(best)  # the README's route: best.pth alone, predict at a threshold

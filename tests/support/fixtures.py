@@ -14,7 +14,7 @@ from spmd_rfdetr.training.stops import SIGTERM_AT_STEP_ENV
 
 from jobs import JobInputs, job_fixture
 from support.models import (FIRST_STEPS, LOOP_MODEL, PREEMPTED_EVAL_EPOCHS, PREEMPTED_SIGTERM_STEP, TINY_MODEL,
-                            TRACE_STEPS, FirstSteps, MeshTrainer, Tiny, fit_config, loop_config, make_tiny)
+                            TINY_SEED, TRACE_STEPS, FirstSteps, MeshTrainer, Tiny, fit_config, loop_config, make_tiny)
 from support.runs import PreemptedRun, read_metrics, sigterm_after, start_fit, wait_for
 
 
@@ -40,7 +40,7 @@ def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def tiny(synth_dir: str) -> Tiny:
     """The numerics model (:data:`TINY_MODEL`): what is compared with upstream's step."""
-    return make_tiny(TINY_MODEL, synth_dir)
+    return make_tiny(TINY_MODEL, synth_dir, TINY_SEED)
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,20 @@ from spmd_rfdetr.config.options import DataOptions, ModelOptions, OptimOptions, 
 
 
 # The one tiny RF-DETR every in-process test compiles (graphs are shared within the process: keep shapes identical).
-#: From scratch (``pretrain_weights=None``, as every model the suite builds): the suite downloads nothing.
-TINY_MODEL = ModelOptions(resolution=128, num_queries=30, group_detr=2, dec_layers=2, pretrain_weights=None)
+#: From scratch (``pretrain_weights=None``, as every model the suite builds): the suite downloads nothing. Four DINOv2
+#: blocks (``backbone_blocks``; Nano has 12): the decoder still reads four feature levels (blocks 1-4) and block 0 is
+#: windowed, so every kind of Nano's components runs, for about a third of the twelve blocks' time (2026-12-07).
+TINY_MODEL = ModelOptions(resolution=128, num_queries=30, group_detr=2, dec_layers=2, backbone_blocks=4,
+                          pretrain_weights=None)
+
+
+#: The tiny model's initial weights: ``torch.manual_seed(TINY_SEED)`` before building. The parity tests compare our
+#: compiled step with upstream's over :data:`FIRST_STEPS` steps from these weights, which holds only where no two
+#: two-stage proposal scores are within rounding of each other (``test_train.proposal_ranking_margins``): upstream's
+#: eager steps from seed 5 keep every batch's smallest relative gap at 1.4e-5, 2.3e-5, 2.1e-5, 4.2e-6, 1.5e-5 (steps
+#: 1-5); from seed 0, 1.2e-5 then 2.6e-7 at step 2, where our step and upstream's on XLA parted by 6.6e-5 (seeds 0-7
+#: measured 2026-12-07; the twelve-block model of seed 0 had 1.5e-5 to 2.0e-5, then 5.2e-6).
+TINY_SEED = 5
 
 
 TINY_BATCH = 8
@@ -80,8 +92,8 @@ class Tiny:
         return net.train()
 
 
-def make_tiny(model: ModelOptions, synth_dir: str) -> Tiny:
-    """:class:`Tiny` for ``model``: batches of the valid split (deterministic transforms), weights of seed 0."""
+def make_tiny(model: ModelOptions, synth_dir: str, seed: int = 0) -> Tiny:
+    """:class:`Tiny` for ``model``: batches of the valid split (deterministic transforms), weights of ``seed``."""
     from spmd_rfdetr.data.batches import StaticCollate
     from spmd_rfdetr.data.splits import build_split
     from spmd_rfdetr.model.upstream import build_model, upstream_configs
@@ -93,7 +105,7 @@ def make_tiny(model: ModelOptions, synth_dir: str) -> Tiny:
     valid = build_split(cfgs, "valid")  # deterministic transforms: the same pixels for every consumer
     collate = StaticCollate(TINY_MAX_TARGETS, cfgs.model.resolution)
     batches = [collate([valid[i] for i in range(b, b + TINY_BATCH)]) for b in range(0, len(valid), TINY_BATCH)]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     init_state = copy.deepcopy(build_model(cfgs).state_dict())
     return Tiny(cfg, cfgs, batches, init_state)
 

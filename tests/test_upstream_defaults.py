@@ -77,7 +77,8 @@ def test_offline_fit_stops_with_one_message_and_exit_2_before_anything_compiles(
     env = offline(dict(os.environ), tmp_path / "rf-home")
     env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump}")
     result = subprocess.run([sys.executable, "-m", "spmd_rfdetr", "fit", "--config", "configs/cpu.yaml",
-                             "--model.pretrain_weights", "auto", "--data.dataset_dir", synth_dir,
+                             "--model.pretrain_weights", "auto", "--model.backbone_blocks", "null",  # Nano's 12
+                             "--data.dataset_dir", synth_dir,
                              "--trainer.output_dir", str(out)], cwd=ROOT, env=env, text=True, capture_output=True,
                             timeout=600)
     assert result.returncode == 2, result.stderr[-3000:]

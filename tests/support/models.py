@@ -16,7 +16,8 @@ from spmd_rfdetr.config.options import DataOptions, ModelOptions, OptimOptions, 
 # The one tiny RF-DETR every in-process test compiles (graphs are shared within the process: keep shapes identical).
 #: From scratch (``pretrain_weights=None``, as every model the suite builds): the suite downloads nothing. Four DINOv2
 #: blocks (``backbone_blocks``; Nano has 12): the decoder still reads four feature levels (blocks 1-4) and block 0 is
-#: windowed, so every kind of Nano's components runs, for about a third of the twelve blocks' time (2026-12-07).
+#: windowed, so every kind of Nano's components runs, in about half the twelve blocks' time (the suite's tiny-model
+#: items 1.9-2.6x faster, 2026-12-07: ``benchmarks/README.md``, the suite's time).
 TINY_MODEL = ModelOptions(resolution=128, num_queries=30, group_detr=2, dec_layers=2, backbone_blocks=4,
                           pretrain_weights=None)
 

@@ -109,3 +109,39 @@ def test_5_masks_stay_bool_inside_the_step(tiny, mesh_trainer) -> None:
     mesh_trainer.backbone_mask_dtypes.clear()
     mesh_trainer.step(mesh_trainer.to_device(tiny.batches[0]))
     assert mesh_trainer.backbone_mask_dtypes == [torch.bool]
+
+
+def test_10_the_fused_attention_kernels_run_on_the_chip_as_the_xla_path(tmp_path: Path) -> None:
+    """``trainer.fused_attention`` (opt-in until this passes on a chip): the Mosaic kernels at the decoder's and
+    DINOv2's shapes give the XLA path's output and gradients (:mod:`spmd_rfdetr.model.attention`) to bf16 rounding,
+    and 20 steps of v5e.yaml with them follow the steps without them."""
+    from spmd_rfdetr.model.attention import attention
+    from spmd_rfdetr.xla.fused_attention import fused_attention
+
+    for n, length, width, heads in ((16, 300, 256, 8), (8, 145, 384, 6), (4, 580, 384, 6)):
+        g = torch.Generator().manual_seed(0)
+        q, k, v, grad = (torch.randn(n, length, width, generator=g).bfloat16().to(torch_xla.device())
+                         for _ in range(4))
+
+        def split(x: torch.Tensor) -> torch.Tensor:
+            return x.view(n, length, heads, width // heads).transpose(1, 2)
+
+        results = []
+        for fn in (lambda *t: fused_attention(*t, heads),
+                   lambda *t: attention(*map(split, t)).transpose(1, 2).reshape(n, length, width)):
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = fn(*inputs)
+            results.append([t.float().cpu() for t in (out, *torch.autograd.grad(out, inputs, grad))])
+        for a, b in zip(*results):
+            assert (a - b).abs().max() <= 2e-2 * max(float(b.abs().max()), 1.0), (n, length, width)
+    data = tmp_path / "synth"
+    assert run("synth", "--output_dir", str(data), "--image_size", "384").returncode == 0
+    losses = []
+    for fused in ("false", "true"):
+        out = tmp_path / f"fused-{fused}"
+        result = run(*FIT_V5E, "--data.dataset_dir", str(data), "--trainer.max_steps", "20", "--trainer.log_every",
+                     "1", "--eval.every_steps", "0", "--trainer.output_dir", str(out),
+                     "--trainer.fused_attention", fused)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses.append([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()])
+    assert losses[0][0] == pytest.approx(losses[1][0], rel=1e-2) and losses[1][-1] < 1.1 * losses[0][-1], losses

@@ -195,6 +195,11 @@ class TrainerOptions:
     DINOv2's embeddings and layer scales) in bf16 instead of float32, as TPU trainers keep activations; weights,
     optimizer and loss stay float32 (:mod:`spmd_rfdetr.model.streams`). Fewer HBM bytes per step; a numerics change
     (``benchmarks/README.md``)."""
+    fused_attention: bool = False
+    """Run the training step's attention (the decoder's self-attention, DINOv2's) as Pallas TPU kernels that keep
+    their score matrices on chip (:mod:`spmd_rfdetr.xla.fused_attention`): v5e.yaml's step moves 32% fewer HBM bytes
+    by the TPU compiler. Opt-in: compiled ahead of time (``aot``) and tested in Pallas's interpreter, which runs them
+    (slowly) on other backends, but no chip has run them yet. Needs JAX (``pip install -e ".[tpu,aot]"``)."""
     seed: int = 42
     """Seed for model init and data order."""
     matcher: Literal["device", "scipy"] = "device"

@@ -3,6 +3,7 @@ anything is built, and the values derived from the mesh (the batch's shards, the
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
@@ -10,7 +11,8 @@ from importlib.metadata import version
 
 from spmd_rfdetr.config.length import evaluates_in_fit
 from spmd_rfdetr.config.options import (AUTO_WEIGHTS, ConfigError, ModelOptions, RunConfig, is_keypoint, is_segmentation,
-                                        logit_count, published_weights, resolved_weights, variant_defaults)
+                                        TrainerOptions, logit_count, published_weights, resolved_weights,
+                                        variant_defaults)
 
 _warned: set[str] = set()  # warnings resolve_and_check has given in this process (each is given once)
 
@@ -34,8 +36,9 @@ def _warn_once(message: str) -> None:
 TRACED_FOR_ENV = "SPMD_RFDETR_TRACED_FOR"
 
 
-def _backend() -> str | None:
-    """The XLA device type (``CPU``, ``TPU`` ...) when torch_xla's runtime is already loaded, else ``None``."""
+def xla_backend() -> str | None:
+    """The XLA device type (``CPU``, ``TPU`` ...) the run is for: ``aot``'s trace child says ``TPU``; else the
+    runtime's when torch_xla's runtime is already loaded, else ``None``."""
     if os.environ.get(TRACED_FOR_ENV):
         return os.environ[TRACED_FOR_ENV]
     if "torch_xla.runtime" not in sys.modules:
@@ -53,6 +56,14 @@ OPENXLA_TRAINING_REFUSED = (
     "(spmd_rfdetr/xla/openxla_fix.py) is verified for torch_xla {verified} only. Use trainer.compile_backend=torch_xla "
     "(exact gradients, and the faster replay step mode)."
 )
+
+
+def _fused_attention_problems(t: TrainerOptions) -> list[str]:
+    """``trainer.fused_attention`` lowers its kernels with JAX's Pallas (for a TPU, or interpreted on another backend)."""
+    if t.fused_attention and importlib.util.find_spec("jax") is None:
+        return ["trainer.fused_attention=true lowers its kernel with JAX's Pallas, which is not installed: "
+                "pip install -e \".[tpu,aot]\" (or set trainer.fused_attention=false)"]
+    return []
 
 
 def data_axis(cfg: RunConfig, device_count: int) -> int:
@@ -134,7 +145,8 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
     if t.bf16_streams and t.precision != "bf16":
         problems.append(f"trainer.bf16_streams=true rounds activations to bf16 under bf16 autocast; with "
                         f"trainer.precision={t.precision} it would do nothing: set trainer.precision=bf16 or drop it")
-    if device_count is not None and t.precision == "bf16" and _backend() == "CPU":
+    problems += _fused_attention_problems(t)
+    if device_count is not None and t.precision == "bf16" and xla_backend() == "CPU":
         _warn_once(
             "trainer.precision=bf16 on the XLA CPU backend: the CPU has no fast bf16 matmuls (slower than fp32 here) "
             "and the results differ from fp32; bf16 is meant for TPUs (trainer.precision=fp32 on CPU)"

@@ -21,11 +21,12 @@
   goes sequence-first and flattens (sequence, batch) into one axis with the batch inside, which a batch-sharded
   tensor cannot keep (an all-gather before every projection). Without masks or returned weights the same
   projections and attention run on the batch-first layout (:func:`_batch_first_attention`; in bf16 without a kept
-  score matrix, :mod:`spmd_rfdetr.model.attention`).
+  score matrix, :mod:`spmd_rfdetr.model.attention`; with ``trainer.fused_attention``, in training, one Pallas TPU
+  kernel per pass on the packed projections, :func:`use_fused_attention`).
 - ``Dinov2WithRegistersSdpaSelfAttention.forward`` (the backbone's attention): in bf16 PyTorch's attention keeps its
   float32 softmax for the backward beside a bf16 copy, which the TPU compiler also transposes; the same projections
   with :mod:`spmd_rfdetr.model.attention` instead (v5e.yaml's step on v5e:2x4: 119.2 -> 117.5 GB per chip, its
-  eval 9.6 -> 9.0; ``benchmarks/README.md``).
+  eval 9.6 -> 9.0; ``benchmarks/README.md``); with ``trainer.fused_attention``, in training, the kernels.
 - ``ms_deform_attn_core_pytorch`` (deformable attention's core, XLA, maps of up to 2,048 positions: every RF-DETR
   detector): one matrix product per image and head whose weight matrix the TPU compiler builds inside the product
   (:mod:`spmd_rfdetr.model.deform_attention`; v5e.yaml's shapes: 7x fewer bytes than the row lookups below).
@@ -66,6 +67,7 @@ from typing import Any
 import torch
 
 from spmd_rfdetr.model.attention import attention
+from spmd_rfdetr.xla.fused_attention import fused_attention
 from spmd_rfdetr.model.deform_attention import DENSE_SAMPLE_MAX_POSITIONS, dense_core_for_xla, separable_grid_sample
 from spmd_rfdetr.model.resize import resize_as_matmul
 from spmd_rfdetr.model.row_lookups import row_sampler, with_row_gathers
@@ -258,6 +260,9 @@ def _install_backbone_attention() -> None:
         if (hidden_states.device.type != "xla" or output_attentions
                 or (self.training and self.attention_probs_dropout_prob > 0)):
             return original(self, hidden_states, output_attentions)
+        if getattr(self, FUSED_ATTENTION, False) and _may_patch():
+            projected = (p(hidden_states) for p in (self.query, self.key, self.value))
+            return fused_attention(*projected, self.num_attention_heads), None
         q, k, v = (self.transpose_for_scores(p(hidden_states)) for p in (self.query, self.key, self.value))
         return attention(q, k, v).transpose(1, 2).flatten(2), None  # [B, L, heads * d], as upstream's
 
@@ -274,13 +279,32 @@ def _batch_first_attention(self: torch.nn.MultiheadAttention, query: torch.Tenso
     weights = self.in_proj_weight.chunk(3)
     biases = self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None, None, None)
 
-    def project(x: torch.Tensor, i: int) -> torch.Tensor:
-        return linear(x, weights[i], biases[i]).view(batch, x.shape[1], heads, width // heads).transpose(1, 2)
-
-    q, k, v = project(query, 0), project(key, 1), project(value, 2)
-    out = attention(q, k, v, mask)  # [B, H, L, E/H]
-    out = out.transpose(1, 2).reshape(batch, length, width)
+    q, k, v = (linear(x, weights[i], biases[i]) for i, x in enumerate((query, key, value)))
+    if mask is None and query.shape == key.shape and getattr(self, FUSED_ATTENTION, False) and _may_patch():
+        out = fused_attention(q, k, v, heads)
+    else:
+        q, k, v = (x.view(batch, x.shape[1], heads, width // heads).transpose(1, 2) for x in (q, k, v))
+        out = attention(q, k, v, mask).transpose(1, 2).reshape(batch, length, width)  # from [B, H, L, E/H]
     return linear(out, self.out_proj.weight, self.out_proj.bias)
+
+
+#: The attribute :func:`use_fused_attention` sets on the attention modules whose training forward runs the kernel.
+FUSED_ATTENTION = "_spmd_rfdetr_fused_attention"
+
+
+def use_fused_attention(model: torch.nn.Module) -> int:
+    """Let ``model``'s self-attention modules (the decoder's, DINOv2's) run their training forward as one Pallas TPU
+    kernel (``trainer.fused_attention``, :mod:`spmd_rfdetr.xla.fused_attention`) where :func:`install`'s wrappers take
+    them; returns how many were marked. The mark survives ``copy.deepcopy``; evaluation (no gradients) and dynamo's
+    traces keep the XLA path."""
+    from rfdetr.models.backbone import dinov2_with_windowed_attn as dinov2
+
+    marked = 0
+    for module in model.modules():
+        if isinstance(module, (torch.nn.MultiheadAttention, dinov2.Dinov2WithRegistersSdpaSelfAttention)):
+            setattr(module, FUSED_ATTENTION, True)
+            marked += 1
+    return marked
 
 
 def _may_patch() -> bool:

@@ -17,6 +17,7 @@ from spmd_rfdetr.config.options import MeshOptions, ModelOptions, OptimOptions, 
 from spmd_rfdetr.model.loss import build_criterion
 from spmd_rfdetr.model.streams import round_streams_to_bf16
 from spmd_rfdetr.model.upstream import UpstreamConfigs, build_model, build_upstream_criterion
+from spmd_rfdetr.model.xla_safe import use_fused_attention
 from spmd_rfdetr.training.ema import DeviceEMA
 from spmd_rfdetr.training.optim import DeviceLRSchedule, build_optimizer
 from spmd_rfdetr.training.step import TrainStep
@@ -60,6 +61,8 @@ def build_trainer(
     net = build_model(cfgs, training=True) if model is None else model
     if trainer.bf16_streams and trainer.precision == "bf16":
         round_streams_to_bf16(net)  # before the EMA copies the model: its evaluations round as training does
+    if trainer.fused_attention:
+        use_fused_attention(net)
     criterion = build_criterion(build_upstream_criterion(cfgs)[0], solver=trainer.matcher).train()
     optimizer = build_optimizer(net, cfgs, on_device=True)
     net, optimizer = fabric.setup(net, optimizer)

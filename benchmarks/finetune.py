@@ -11,6 +11,8 @@ rfdetr's LR (1e-4 decoder, 1.5e-4 encoder):
 - ``ours``: ``fit`` on the 4-device CPU mesh, exactly as ``batch_lr.py``'s ``b8`` arm (fp32); its ``last.pth`` (EMA);
 - ``ours-bf16``: the same with ``--trainer.precision bf16`` (autocast, fp32 weights: how the TPU recipes train);
 - ``ours-bf16-streams``: ``ours-bf16`` with ``--trainer.bf16_streams true`` (the residual streams in bf16);
+- ``ours-bf16-streams-fused``: that with ``--trainer.fused_attention true`` (the attention kernels, here run by Pallas's
+  interpreter: the kernels' arithmetic, on the CPU);
 - ``upstream``: rfdetr's own trainer, ``RFDETRNano(...).train(pretrain_weights=<the same checkpoint>, ...)`` (eager,
   CPU, a process without torch_xla), given our recipe and our LR factor per step (``convergence.py``'s
   ``upstream_train_kwargs(match_lr=True)``); its DINOv2 built with 6 blocks by the patch our builder uses
@@ -46,10 +48,13 @@ from convergence import (NOT_MATCHED, _env_without_xla, _train_images, eager_sta
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = {"ours": [], "upstream": None, "ours-bf16": ["--trainer.precision", "bf16"],
-        "ours-bf16-streams": ["--trainer.precision", "bf16", "--trainer.bf16_streams", "true"]}
+        "ours-bf16-streams": ["--trainer.precision", "bf16", "--trainer.bf16_streams", "true"],
+        "ours-bf16-streams-fused": ["--trainer.precision", "bf16", "--trainer.bf16_streams", "true",
+                                    "--trainer.fused_attention", "true"]}
 RESERVED = Path("/tmp/cores_reserved")
 #: (arm, reference arm) pairs whose mean gap is reported
-GAPS = [("ours", "upstream"), ("ours-bf16", "ours"), ("ours-bf16-streams", "ours-bf16")]
+GAPS = [("ours", "upstream"), ("ours-bf16", "ours"), ("ours-bf16-streams", "ours-bf16"),
+        ("ours-bf16-streams-fused", "ours-bf16-streams")]
 
 
 def may_start(a: argparse.Namespace) -> bool:

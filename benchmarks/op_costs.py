@@ -19,6 +19,11 @@ step yet: measured here to decide whether to).
 
     python benchmarks/op_costs.py --op attention --json benchmarks/results/op-costs-attention-v5e-2026-12-04.json
 
+``fused``: the step's attention from the packed projections (``[N, L, heads x d]``) at the same three shapes, the
+XLA path against ``trainer.fused_attention``'s Pallas kernels (:mod:`spmd_rfdetr.xla.fused_attention`).
+
+    python benchmarks/op_costs.py --op fused --hbm-only
+
 ``criterion``: the matcher's cost (forward; the solver not included) and the detection losses (forward + backward,
 from a fixed assignment) at v5e.yaml's per-chip shapes (16 images, 3 layers x 3,900 queries, 91 classes, 100
 targets of which 1-39 real), as the step runs them.
@@ -172,6 +177,35 @@ def attention_cases() -> list[tuple[str, dict, Callable[[], tuple[torch.Tensor, 
     return cases
 
 
+def fused_cases() -> list[tuple[str, dict, Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]]]:
+    """The step's attention from its packed projections ``[N, L, heads x d]`` to the packed output: the XLA path
+    (split heads, :mod:`spmd_rfdetr.model.attention`, merge) against ``trainer.fused_attention``'s Pallas kernels."""
+    from spmd_rfdetr.config.resolve import TRACED_FOR_ENV
+    from spmd_rfdetr.model.attention import attention
+    from spmd_rfdetr.xla.fused_attention import fused_attention
+
+    os.environ[TRACED_FOR_ENV] = "TPU"  # the Mosaic kernels, as `aot` traces them
+
+    def xla_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+        n, length, width = q.shape
+        split = [t.view(n, length, heads, width // heads).transpose(1, 2) for t in (q, k, v)]
+        return attention(*split).transpose(1, 2).reshape(n, length, width)
+
+    cases = []
+    for block, (n, length, width, heads) in (("decoder self-attention", (16 * 13, 300, 256, 8)),
+                                             ("DINOv2 windowed", (16 * 4, 145, 384, 6)),
+                                             ("DINOv2 global", (16, 580, 384, 6))):
+        for variant, fn in (("xla path", xla_path), ("fused kernels", fused_attention)):
+            def make(fn=fn, n=n, length=length, width=width, heads=heads):
+                g = torch.Generator().manual_seed(0)
+                inputs = [torch.randn(n, length, width, generator=g).to(torch.bfloat16).to(torch_xla.device())
+                          .requires_grad_() for _ in range(3)]
+                return fn(*inputs, heads), inputs
+            cases.append((f"{block} {variant}", {"op": "fused", "block": block, "shape": [n, length, width],
+                                                  "heads": heads, "variant": variant}, make))
+    return cases
+
+
 def criterion_cases() -> list[tuple[str, dict, Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]]]:
     from spmd_rfdetr.model.loss import StaticShapeMatcher, detection_losses
 
@@ -236,7 +270,7 @@ def backbone_cases() -> list[tuple[str, dict, Callable[[], tuple[torch.Tensor, l
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--topology", default="v5e:1x1", help="compile for one chip of this topology")
-    ap.add_argument("--op", choices=("deform", "attention", "criterion", "backbone"), default="deform")
+    ap.add_argument("--op", choices=("deform", "attention", "fused", "criterion", "backbone"), default="deform")
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--hbm-only", action="store_true",
                     help="compile with on-chip memory off (aot's --hbm_only): every byte counted is HBM traffic")
@@ -251,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
     devices, _, _ = tpu_compile.build_topology(args.topology)
     rows = []
-    cases = {"deform": deform_cases, "attention": attention_cases, "criterion": criterion_cases,
+    cases = {"deform": deform_cases, "attention": attention_cases, "fused": fused_cases, "criterion": criterion_cases,
              "backbone": backbone_cases}[args.op]()
     for name, labels, make in cases:
         if args.only not in name:

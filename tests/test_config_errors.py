@@ -51,6 +51,9 @@ CASES = {
     "bf16_streams_fp32": (edited(trainer={"bf16_streams": True}), None,
                           "trainer.bf16_streams=true rounds activations to bf16 under bf16 autocast; with "
                           "trainer.precision=fp32 it would do nothing"),
+    "fused_attention_openxla": (edited(trainer={"fused_attention": True, "compile_backend": "openxla"}), None,
+                                "trainer.fused_attention=true runs in the lazily traced step only: set "
+                                "trainer.compile_backend=torch_xla"),
     "mesh_divides": (edited(mesh={"data": 3}), 4, "mesh.data=3 must divide the 4 devices (or be -1 for all)"),
     "batch_axis": (edited(data={"global_batch_size": 6}), 4,
                    "data.global_batch_size=6 does not divide by the data axis (4 devices): use a multiple of 4, "

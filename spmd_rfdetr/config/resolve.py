@@ -59,8 +59,14 @@ OPENXLA_TRAINING_REFUSED = (
 
 
 def _fused_attention_problems(t: TrainerOptions) -> list[str]:
-    """``trainer.fused_attention`` lowers its kernels with JAX's Pallas (for a TPU, or interpreted on another backend)."""
-    if t.fused_attention and importlib.util.find_spec("jax") is None:
+    """``trainer.fused_attention`` lowers its kernels with JAX's Pallas (for a TPU, or interpreted on another backend),
+    inside the lazily traced step (dynamo's ``openxla`` trace would leave them out)."""
+    if not t.fused_attention:
+        return []
+    if t.compile_backend == "openxla":
+        return ["trainer.fused_attention=true runs in the lazily traced step only: set trainer.compile_backend=torch_xla "
+                "(or trainer.fused_attention=false)"]
+    if importlib.util.find_spec("jax") is None:
         return ["trainer.fused_attention=true lowers its kernel with JAX's Pallas, which is not installed: "
                 "pip install -e \".[tpu,aot]\" (or set trainer.fused_attention=false)"]
     return []

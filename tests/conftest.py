@@ -14,8 +14,9 @@ alone); the LR schedule against rfdetr's own; every config error; the data forma
 lazy tracing (``test_replay.py``: same losses, 2 Python traces, one compile, a baked Python value caught); openxla
 training against eager and against the replay fit (``test_openxla.py``); prefetch counted by loader events
 (``test_fabric.py``); bf16 convolutions and matrix products in the README script's compiled step (``test_readme.py``).
-``pytest -m tpu`` on a TPU VM runs the seed's Phase 2a smoke checklist and a preempted fit resumed bit for bit on the
-chip.
+``pytest -m tpu`` on a TPU VM runs the seed's Phase 2a smoke checklist, a preempted fit resumed bit for bit on the
+chip and the fused attention kernels against the XLA path (``test_fused_attention.py`` runs them in Pallas's
+interpreter here, and has libtpu compile them).
 
 How it fits on 2 cores: the suite's subprocesses (CLI fits, the TPU compiler, upstream's step in a child, the benchmark
 and README scripts, two gloo hosts) run as background jobs beside the in-process tests (``jobs.py``: both cores stay

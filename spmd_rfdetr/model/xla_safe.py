@@ -67,10 +67,10 @@ from typing import Any
 import torch
 
 from spmd_rfdetr.model.attention import attention
-from spmd_rfdetr.xla.fused_attention import fused_attention
 from spmd_rfdetr.model.deform_attention import DENSE_SAMPLE_MAX_POSITIONS, dense_core_for_xla, separable_grid_sample
 from spmd_rfdetr.model.resize import resize_as_matmul
 from spmd_rfdetr.model.row_lookups import row_sampler, with_row_gathers
+from spmd_rfdetr.xla.fused_attention import fused_attention
 
 
 def install() -> None:

@@ -17,7 +17,7 @@ in the step; on any other backend the same kernels run in Pallas's interpret mod
 the step (slow, but the kernels' own arithmetic: the CPU mesh's tests and the fine-tuning yardstick). On a mesh each
 device runs them on its own rows (:func:`~spmd_rfdetr.xla.mesh.on_each_shard`: no collective). The TPU compiler
 counts a kernel by the cost it declares (each tensor read or written once, in HBM tiles): v5e.yaml's step on v5e:2x4
-with on-chip memory off, 74.8 -> 50.5 GB per chip (``benchmarks/README.md``). No chip has run them yet
+with on-chip memory off, 74.8 -> 50.6 GB per chip (``benchmarks/README.md``). No chip has run them yet
 (``tests/test_tpu_smoke.py``'s ``-m tpu`` check is what would turn them on by default).
 """
 
@@ -128,7 +128,7 @@ def _mosaic_ir_version(version: int) -> Iterator[None]:
         tpu_custom_call.get_ir_version = original
 
 
-# ---- the kernels (JAX): ``interpret=True`` runs them on the CPU (the tests) ----
+# ---- the kernels (JAX): ``interpret=True`` runs them on the CPU (the tests, and ``_run`` off the TPU) ----
 
 def attention_forward(q: Any, k: Any, v: Any, *, heads: int, interpret: bool = False) -> Any:
     """The attention's output for ``[N, L, heads x d]`` JAX arrays: one grid step per sequence."""
@@ -142,6 +142,8 @@ def attention_backward(q: Any, k: Any, v: Any, out: Any, grad_out: Any, *, heads
 
 
 def _call(kernel: Callable, heads: int, arrays: tuple, outputs: int, interpret: bool) -> list:
+    """``pallas_call`` of ``kernel`` over ``arrays`` (``[N, L, heads x d]``): one sequence per grid step, ``outputs``
+    arrays of the first one's shape and dtype."""
     import jax
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu

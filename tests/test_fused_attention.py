@@ -147,3 +147,17 @@ def test_the_attention_modules_take_the_kernels_in_training_with_the_xla_paths_r
         errors = [float((a - b).abs().max() / b.abs().max().clamp(min=1.0)) for a, b in zip(fused, xla)]  # relative
         assert len(fused) == len(xla) > 3 and max(errors) < 1e-5, (name, errors)
         assert fa.__file__ not in run(name, module, grad=False)[1]
+
+
+def test_a_chip_whose_compiler_refuses_the_kernels_is_named_before_anything_runs() -> None:
+    """libtpu's Mosaic refuses the kernels for TPU v3 (no bf16 matrix product: ``aot --topology v3:2x2`` failed with
+    "Unsupported matmul RHS type on target"); ``aot`` says so for v3 before tracing, and lets v5e through."""
+    from spmd_rfdetr.aot.check import aot_check
+    from spmd_rfdetr.config.options import ConfigError, RunConfig
+    from spmd_rfdetr.config.resolve import fused_attention_chip_problem
+
+    assert fused_attention_chip_problem(5) is None and fused_attention_chip_problem(3) is not None
+    cfg = RunConfig()
+    cfg.trainer.fused_attention = True
+    with pytest.raises(ConfigError, match="refuses its Pallas kernels on TPU v3"):
+        aot_check(cfg, "v3:2x2")

@@ -31,7 +31,7 @@ from spmd_rfdetr.aot.chips import (TopologyError, hbm_only_env, hbm_only_label, 
                                     valid_names)
 from spmd_rfdetr.aot.trace import config_to_yaml
 from spmd_rfdetr.config.options import ConfigError, RunConfig
-from spmd_rfdetr.config.resolve import TRACED_FOR_ENV, resolve_and_check
+from spmd_rfdetr.config.resolve import TRACED_FOR_ENV, fused_attention_chip_problem, resolve_and_check
 
 GiB = 2**30
 INSTALL = 'pip install -e ".[aot]"'
@@ -57,6 +57,8 @@ def aot_check(cfg: RunConfig, topology: str, json_path: str | None = None, max_b
     if canonical.split(":")[1] not in chip.topologies:
         raise ConfigError(f"unknown TPU topology {topology!r}; valid names: {valid_names()}")
     if hbm_only and (problem := hbm_only_problem(chip)):
+        raise ConfigError(problem)
+    if cfg.trainer.fused_attention and (problem := fused_attention_chip_problem(int(chip.name[1]))):
         raise ConfigError(problem)
     devices = device_count(canonical)
     if importlib.util.find_spec("jax") is None or importlib.util.find_spec("libtpu") is None:

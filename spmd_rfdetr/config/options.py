@@ -199,7 +199,8 @@ class TrainerOptions:
     """Run the training step's attention (the decoder's self-attention, DINOv2's) as Pallas TPU kernels that keep
     their score matrices on chip (:mod:`spmd_rfdetr.xla.fused_attention`): v5e.yaml's step moves 32% fewer HBM bytes
     by the TPU compiler. Opt-in: compiled ahead of time (``aot``) and tested in Pallas's interpreter, which runs them
-    (slowly) on other backends, but no chip has run them yet. Needs JAX (``pip install -e ".[tpu,aot]"``)."""
+    (slowly) on other backends, but no chip has run them yet. Not on TPU v3, whose compiler refuses them (a config
+    error). Needs JAX (``pip install -e ".[tpu,aot]"``)."""
     seed: int = 42
     """Seed for model init and data order."""
     matcher: Literal["device", "scipy"] = "device"

@@ -58,6 +58,19 @@ OPENXLA_TRAINING_REFUSED = (
 )
 
 
+#: TPU generations whose Mosaic compiler refuses the kernels: libtpu 0.0.21 for v3, "Mosaic failed to compile TPU
+#: kernel: Unsupported matmul RHS type on target: 'vector<128x128xbf16>'" (``aot --topology v3:2x2``, 2026-12-07).
+FUSED_ATTENTION_UNSUPPORTED = (2, 3)
+
+
+def fused_attention_chip_problem(generation: int) -> str | None:
+    """Why ``trainer.fused_attention`` cannot run on TPU ``v<generation>``; ``None``: it compiles there."""
+    if generation not in FUSED_ATTENTION_UNSUPPORTED:
+        return None
+    return (f"trainer.fused_attention=true: the TPU compiler refuses its Pallas kernels on TPU v{generation} (Mosaic has "
+            f"no bf16 matrix product there); set trainer.fused_attention=false on this chip (v5e compiles them)")
+
+
 def _fused_attention_problems(t: TrainerOptions) -> list[str]:
     """``trainer.fused_attention`` lowers its kernels with JAX's Pallas (for a TPU, or interpreted on another backend),
     inside the lazily traced step (dynamo's ``openxla`` trace would leave them out)."""
@@ -69,6 +82,15 @@ def _fused_attention_problems(t: TrainerOptions) -> list[str]:
     if importlib.util.find_spec("jax") is None:
         return ["trainer.fused_attention=true lowers its kernel with JAX's Pallas, which is not installed: "
                 "pip install -e \".[tpu,aot]\" (or set trainer.fused_attention=false)"]
+    if xla_backend() == "TPU" and not os.environ.get(TRACED_FOR_ENV):  # on a chip (`aot` checks its topology)
+        # lazy: torch_xla's runtime is loaded (xla_backend said TPU); its TPU metadata names the generation
+        from torch_xla._internal import tpu
+
+        try:
+            generation = tpu.version()
+        except (OSError, KeyError):  # no metadata to read: the compiler will say
+            return []
+        return [problem] if (problem := fused_attention_chip_problem(generation)) else []
     return []
 
 

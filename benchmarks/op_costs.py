@@ -180,7 +180,7 @@ def attention_cases() -> list[tuple[str, dict, Callable[[], tuple[torch.Tensor, 
 def fused_cases() -> list[tuple[str, dict, Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]]]:
     """The step's attention from its packed projections ``[N, L, heads x d]`` to the packed output: the XLA path
     (split heads, :mod:`spmd_rfdetr.model.attention`, merge) against ``trainer.fused_attention``'s Pallas kernels."""
-    from spmd_rfdetr.config.resolve import TRACED_FOR_ENV
+    from spmd_rfdetr.config.backend import TRACED_FOR_ENV
     from spmd_rfdetr.model.attention import attention
     from spmd_rfdetr.xla.fused_attention import fused_attention
 

@@ -1,7 +1,7 @@
 """``trainer.fused_attention`` (:mod:`spmd_rfdetr.xla.fused_attention`): the Pallas kernels against PyTorch's attention
 in Pallas's interpret mode on the CPU; the TPU compiler compiles them on a 4-chip mesh, each chip on its own rows, and
-counts no ``[L, L]`` matrix in HBM; the step's attention modules take them only in a training trace; a CPU run is
-refused before anything is built."""
+counts no ``[L, L]`` matrix in HBM; the step's attention modules take them only in a training trace; a chip whose
+compiler refuses them is named before anything runs."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_the_kernels_compile_for_v5e_per_chip_with_no_score_matrix_in_hbm(tmp_pa
     import torch_xla.distributed.spmd as xs
 
     from spmd_rfdetr.aot.check import compile_traced
-    from spmd_rfdetr.config.resolve import TRACED_FOR_ENV
+    from spmd_rfdetr.config.backend import TRACED_FOR_ENV
     from spmd_rfdetr.model.attention import attention
     from spmd_rfdetr.xla.lowering import lower
     from spmd_rfdetr.xla.mesh import build_mesh
@@ -154,7 +154,7 @@ def test_a_chip_whose_compiler_refuses_the_kernels_is_named_before_anything_runs
     "Unsupported matmul RHS type on target"); ``aot`` says so for v3 before tracing, and lets v5e through."""
     from spmd_rfdetr.aot.check import aot_check
     from spmd_rfdetr.config.options import ConfigError, RunConfig
-    from spmd_rfdetr.config.resolve import fused_attention_chip_problem
+    from spmd_rfdetr.config.backend import fused_attention_chip_problem
 
     assert fused_attention_chip_problem(5) is None and fused_attention_chip_problem(3) is not None
     cfg = RunConfig()

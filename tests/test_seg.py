@@ -155,9 +155,10 @@ def _predicted_on_split_ids(run: SegRun, synth_dir: str) -> list[dict]:
 def test_segm_map_equals_pycocotools_on_the_fits_own_detections(seg_run: SegRun, synth_dir: str) -> None:
     """The final evaluation's detections (``eval.save_detections``: boxes and COCO RLE masks) scored by pycocotools
     itself: the fit's ``eval/segm_*`` and ``eval/*`` to 1e-4."""
-    from spmd_rfdetr.eval.coco import MAX_DETS, stat_names
+    from spmd_rfdetr.eval.coco import MAX_DETS, label2cat_for, stat_names
 
     record = final_record(seg_run)
+    assert label2cat_for(synth_dir) is not None
     own = json.loads((seg_run.out / "eval" / f"step{STEPS:07d}_detections.json").read_text())
     assert own and all("segmentation" in r for r in own)
     for prefix, iou_type in (("eval/", "bbox"), ("eval/segm_", "segm")):

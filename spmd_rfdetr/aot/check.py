@@ -31,7 +31,8 @@ from spmd_rfdetr.aot.chips import (TopologyError, hbm_only_env, hbm_only_label, 
                                     valid_names)
 from spmd_rfdetr.aot.trace import config_to_yaml
 from spmd_rfdetr.config.options import ConfigError, RunConfig
-from spmd_rfdetr.config.resolve import TRACED_FOR_ENV, fused_attention_chip_problem, resolve_and_check
+from spmd_rfdetr.config.backend import TRACED_FOR_ENV, fused_attention_chip_problem
+from spmd_rfdetr.config.resolve import resolve_and_check
 
 GiB = 2**30
 INSTALL = 'pip install -e ".[aot]"'

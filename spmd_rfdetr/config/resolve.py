@@ -3,15 +3,14 @@ anything is built, and the values derived from the mesh (the batch's shards, the
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
-import sys
 from importlib.metadata import version
 
+from spmd_rfdetr.config.backend import fused_attention_problems, xla_backend
 from spmd_rfdetr.config.length import evaluates_in_fit
 from spmd_rfdetr.config.options import (AUTO_WEIGHTS, ConfigError, ModelOptions, RunConfig, is_keypoint, is_segmentation,
-                                        TrainerOptions, logit_count, published_weights, resolved_weights,
+                                        logit_count, published_weights, resolved_weights,
                                         variant_defaults)
 
 _warned: set[str] = set()  # warnings resolve_and_check has given in this process (each is given once)
@@ -32,23 +31,6 @@ def _warn_once(message: str) -> None:
         logging.getLogger(__name__).warning(message)
 
 
-#: Set by the ``aot`` verb for its trace child: the device type its virtual CPU mesh stands in for.
-TRACED_FOR_ENV = "SPMD_RFDETR_TRACED_FOR"
-
-
-def xla_backend() -> str | None:
-    """The XLA device type (``CPU``, ``TPU`` ...) the run is for: ``aot``'s trace child says ``TPU``; else the
-    runtime's when torch_xla's runtime is already loaded, else ``None``."""
-    if os.environ.get(TRACED_FOR_ENV):
-        return os.environ[TRACED_FOR_ENV]
-    if "torch_xla.runtime" not in sys.modules:
-        return None
-    # lazy: only once torch_xla.runtime is loaded (checked above): importing it here would start torch_xla
-    import torch_xla.runtime as xr
-
-    return str(xr.device_type())
-
-
 #: Why ``trainer.compile_backend=openxla`` is refused on unverified torch_xla versions.
 OPENXLA_TRAINING_REFUSED = (
     "trainer.compile_backend=openxla is refused on this torch_xla: torch.compile(backend='openxla') under SPMD returns "
@@ -56,42 +38,6 @@ OPENXLA_TRAINING_REFUSED = (
     "(spmd_rfdetr/xla/openxla_fix.py) is verified for torch_xla {verified} only. Use trainer.compile_backend=torch_xla "
     "(exact gradients, and the faster replay step mode)."
 )
-
-
-#: TPU generations whose Mosaic compiler refuses the kernels: libtpu 0.0.21 for v3, "Mosaic failed to compile TPU
-#: kernel: Unsupported matmul RHS type on target: 'vector<128x128xbf16>'" (``aot --topology v3:2x2``, 2026-12-07).
-FUSED_ATTENTION_UNSUPPORTED = (2, 3)
-
-
-def fused_attention_chip_problem(generation: int) -> str | None:
-    """Why ``trainer.fused_attention`` cannot run on TPU ``v<generation>``; ``None``: it compiles there."""
-    if generation not in FUSED_ATTENTION_UNSUPPORTED:
-        return None
-    return (f"trainer.fused_attention=true: the TPU compiler refuses its Pallas kernels on TPU v{generation} (Mosaic has "
-            f"no bf16 matrix product there); set trainer.fused_attention=false on this chip (v5e compiles them)")
-
-
-def _fused_attention_problems(t: TrainerOptions) -> list[str]:
-    """``trainer.fused_attention`` lowers its kernels with JAX's Pallas (for a TPU, or interpreted on another backend),
-    inside the lazily traced step (dynamo's ``openxla`` trace would leave them out)."""
-    if not t.fused_attention:
-        return []
-    if t.compile_backend == "openxla":
-        return ["trainer.fused_attention=true runs in the lazily traced step only: set trainer.compile_backend=torch_xla "
-                "(or trainer.fused_attention=false)"]
-    if importlib.util.find_spec("jax") is None:
-        return ["trainer.fused_attention=true lowers its kernel with JAX's Pallas, which is not installed: "
-                "pip install -e \".[tpu,aot]\" (or set trainer.fused_attention=false)"]
-    if xla_backend() == "TPU" and not os.environ.get(TRACED_FOR_ENV):  # on a chip (`aot` checks its topology)
-        # lazy: torch_xla's runtime is loaded (xla_backend said TPU); its TPU metadata names the generation
-        from torch_xla._internal import tpu
-
-        try:
-            generation = tpu.version()
-        except (OSError, KeyError):  # no metadata to read: the compiler will say
-            return []
-        return [problem] if (problem := fused_attention_chip_problem(generation)) else []
-    return []
 
 
 def data_axis(cfg: RunConfig, device_count: int) -> int:
@@ -173,7 +119,7 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
     if t.bf16_streams and t.precision != "bf16":
         problems.append(f"trainer.bf16_streams=true rounds activations to bf16 under bf16 autocast; with "
                         f"trainer.precision={t.precision} it would do nothing: set trainer.precision=bf16 or drop it")
-    problems += _fused_attention_problems(t)
+    problems += fused_attention_problems(t)
     if device_count is not None and t.precision == "bf16" and xla_backend() == "CPU":
         _warn_once(
             "trainer.precision=bf16 on the XLA CPU backend: the CPU has no fast bf16 matmuls (slower than fp32 here) "

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from spmd_rfdetr.config.backend import xla_backend
 from spmd_rfdetr.xla.mesh import on_each_shard
 
 #: Mosaic IR version the pinned libtpu (0.0.21, torch_xla 2.9's) reads; JAX 0.7.1 writes 8 unless it sees an older
@@ -68,8 +69,6 @@ def _run(kernel: Callable, heads: int, tensors: tuple[torch.Tensor, ...], output
     torch_xla's TPU custom call of the Mosaic kernel; on another backend (the CPU mesh: tests, the yardstick) the same
     kernel in Pallas's interpret mode, lowered to plain XLA ops inside the step."""
     import torch_xla
-
-    from spmd_rfdetr.config.resolve import xla_backend
 
     specs = tuple((tuple(t.shape), str(t.dtype)) for t in tensors)
     if xla_backend() == "TPU":

@@ -36,6 +36,12 @@ and global, its attention as rfdetr's SDPA class runs it and as :func:`spmd_rfde
 (:mod:`spmd_rfdetr.model.attention`): the attention in the layout and fusions around it that the step has.
 
     python benchmarks/op_costs.py --op backbone
+
+``masks``: one layer of the seg losses (:func:`spmd_rfdetr.model.masks.mask_losses`: the matched masks, the uncertain
+points, the targets and logits at the points; forward + backward to the spatial and query features) at
+``v5e-seg.yaml``'s per-chip shapes (4 images, 13 x 100 matches, 78x78 mask logits, 256 channels, 312 px targets).
+
+    python benchmarks/op_costs.py --op masks --hbm-only
 """
 
 from __future__ import annotations
@@ -239,6 +245,29 @@ def criterion_cases() -> list[tuple[str, dict, Callable[[], tuple[torch.Tensor, 
             ("detection losses", {"op": "criterion", "part": "detection losses"}, losses)]
 
 
+def mask_cases() -> list[tuple[str, dict, Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]]]:
+    from spmd_rfdetr.model import xla_safe
+    from spmd_rfdetr.model.masks import mask_losses, pack_masks
+
+    images, channels, side, slots, groups, resolution = 4, 256, 78, 100, 13, 312
+
+    def losses() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        xla_safe.install()  # the step's point sampler
+        g = torch.Generator().manual_seed(0)
+        dev = torch_xla.device()
+        spatial = torch.randn(images, channels, side, side, generator=g).to(dev).requires_grad_()
+        features = (torch.randn(images, groups * slots, channels, generator=g) * 0.05).to(dev).requires_grad_()
+        masks = torch.rand(images, slots, resolution, resolution, generator=g) > 0.7
+        batch = {"masks": torch.stack([pack_masks(m, slots) for m in masks]).to(dev),
+                 "valid": (torch.arange(slots)[None] < torch.randint(1, slots + 1, (images, 1), generator=g)).to(dev)}
+        query = torch.stack([torch.randperm(groups * slots, generator=g) for _ in range(images)]).to(dev)
+        pred = {"spatial_features": spatial, "query_features": features, "bias": torch.zeros(1, device=dev)}
+        terms = mask_losses(pred, query, batch, torch.tensor(200.0, device=dev), point_ratio=16)
+        return terms["loss_mask_ce"] + terms["loss_mask_dice"], [spatial, features]
+
+    return [("mask losses, one layer", {"op": "masks", "part": "mask losses"}, losses)]
+
+
 def backbone_cases() -> list[tuple[str, dict, Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]]]:
     from rfdetr.models.backbone import dinov2_with_windowed_attn as dinov2
 
@@ -270,7 +299,7 @@ def backbone_cases() -> list[tuple[str, dict, Callable[[], tuple[torch.Tensor, l
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--topology", default="v5e:1x1", help="compile for one chip of this topology")
-    ap.add_argument("--op", choices=("deform", "attention", "fused", "criterion", "backbone"), default="deform")
+    ap.add_argument("--op", choices=("deform", "attention", "fused", "criterion", "masks", "backbone"), default="deform")
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--hbm-only", action="store_true",
                     help="compile with on-chip memory off (aot's --hbm_only): every byte counted is HBM traffic")
@@ -286,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     devices, _, _ = tpu_compile.build_topology(args.topology)
     rows = []
     cases = {"deform": deform_cases, "attention": attention_cases, "fused": fused_cases, "criterion": criterion_cases,
-             "backbone": backbone_cases}[args.op]()
+             "masks": mask_cases, "backbone": backbone_cases}[args.op]()
     for name, labels, make in cases:
         if args.only not in name:
             continue

@@ -55,10 +55,11 @@ def unpack_masks(packed: Tensor, width: int) -> Tensor:
 def sample_targets(packed: Tensor, coords: Tensor) -> Tensor:
     """Target masks at points, rfdetr's nearest-pixel rule (``point_sample(..., mode="nearest")``, border padding).
 
-    ``packed [B, T, R, Rb]`` (:func:`pack_masks` of square ``R x R`` masks), ``coords [B, T, K, 2]`` (x, y) in [0, 1]
-    -> float ``[B, T, K]``: 1 where target ``t``'s mask covers the point. Each point's packed row is picked by a
-    one-hot product (exact: bytes 0..255 are exact in bf16, one non-zero term a sum), then its byte and bit. A row
-    lookup per point cost the TPU a memory tile for 39 bytes: 3.0 GB a layer of the seg recipe (2M points).
+    ``packed [B, T, R, Rb]`` (:func:`pack_masks` of square ``R x R`` masks), ``coords [B, T, K, 2]`` or
+    ``[B, G, T, K, 2]`` (x, y) in [0, 1] -> float ``[B, (G,) T, K]``: 1 where target ``t``'s mask covers the point.
+    Each point's packed row is picked by a one-hot product (exact: bytes 0..255 are exact in bf16, one non-zero term a
+    sum), then its byte and bit. A row lookup per point cost the TPU a memory tile for 39 bytes: 3.0 GB a layer of
+    the seg recipe (2M points).
     """
     height, row_bytes = packed.shape[-2:]
     width = height
@@ -66,7 +67,8 @@ def sample_targets(packed: Tensor, coords: Tensor) -> Tensor:
     x = torch.round(((grid[..., 0] + 1.0) * width - 1.0) / 2.0).long().clamp(0, width - 1)
     y = torch.round(((grid[..., 1] + 1.0) * height - 1.0) / 2.0).long().clamp(0, height - 1)
     row = (y[..., None] == torch.arange(height, device=packed.device)).to(torch.bfloat16)  # [B, T, K, R]
-    rows = torch.einsum("btkr,btrc->btkc", row, packed.to(torch.bfloat16))  # [B, T, K, Rb]
+    groups = "g" if coords.dim() == 5 else ""  # matches in groups: no transpose to targets first
+    rows = torch.einsum(f"b{groups}tkr,btrc->b{groups}tkc", row, packed.to(torch.bfloat16))  # [B, (G,) T, K, Rb]
     column = (x // 8)[..., None] == torch.arange(row_bytes, device=packed.device)
     byte = torch.where(column, rows, 0).sum(-1, dtype=torch.int32)
     bit = torch.bitwise_and(torch.bitwise_right_shift(byte, (x % 8).to(torch.int32)), 1)
@@ -127,9 +129,7 @@ def mask_losses(pred_masks: dict[str, Tensor], query: Tensor, batch: dict[str, T
     points = max(height, height * mask_width // point_ratio)
     with torch.no_grad():
         coords = uncertain_points(flat, points)  # [B*M, P, 2]
-        by_target = coords.view(batch_size, groups, slots, points, 2).transpose(1, 2)  # [B, T, G, P, 2]
-        labels = sample_targets(batch["masks"], by_target.reshape(batch_size, slots, groups * points, 2))
-        labels = labels.view(batch_size, slots, groups, points).transpose(1, 2).reshape(-1, points)
+        labels = sample_targets(batch["masks"], coords.view(batch_size, groups, slots, points, 2)).reshape(-1, points)
     logits = point_sample(flat, coords, align_corners=False).squeeze(1)  # [B*M, P]
     valid = batch["valid"].repeat(1, groups).reshape(-1).to(logits.dtype)
     ce = F.binary_cross_entropy_with_logits(logits, labels, reduction="none").mean(1)

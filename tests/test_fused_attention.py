@@ -153,8 +153,8 @@ def test_a_chip_whose_compiler_refuses_the_kernels_is_named_before_anything_runs
     """libtpu's Mosaic refuses the kernels for TPU v3 (no bf16 matrix product: ``aot --topology v3:2x2`` failed with
     "Unsupported matmul RHS type on target"); ``aot`` says so for v3 before tracing, and lets v5e through."""
     from spmd_rfdetr.aot.check import aot_check
-    from spmd_rfdetr.config.options import ConfigError, RunConfig
     from spmd_rfdetr.config.backend import fused_attention_chip_problem
+    from spmd_rfdetr.config.options import ConfigError, RunConfig
 
     assert fused_attention_chip_problem(5) is None and fused_attention_chip_problem(3) is not None
     cfg = RunConfig()

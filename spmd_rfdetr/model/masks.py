@@ -66,7 +66,7 @@ def sample_targets(packed: Tensor, coords: Tensor) -> Tensor:
     grid = 2.0 * coords - 1.0  # rfdetr's normalisation order, so the rounding ties fall where its do
     x = torch.round(((grid[..., 0] + 1.0) * width - 1.0) / 2.0).long().clamp(0, width - 1)
     y = torch.round(((grid[..., 1] + 1.0) * height - 1.0) / 2.0).long().clamp(0, height - 1)
-    row = (y[..., None] == torch.arange(height, device=packed.device)).to(torch.bfloat16)  # [B, T, K, R]
+    row = (y[..., None] == torch.arange(height, device=packed.device)).to(torch.bfloat16)  # [B, (G,) T, K, R]
     groups = "g" if coords.dim() == 5 else ""  # matches in groups: no transpose to targets first
     rows = torch.einsum(f"b{groups}tkr,btrc->b{groups}tkc", row, packed.to(torch.bfloat16))  # [B, (G,) T, K, Rb]
     column = (x // 8)[..., None] == torch.arange(row_bytes, device=packed.device)

@@ -13,7 +13,7 @@ import torch
 from spmd_rfdetr.config.options import DataOptions, ModelOptions, OptimOptions
 from spmd_rfdetr.data.batches import pad_target
 from spmd_rfdetr.model.loss import build_criterion, total_loss
-from spmd_rfdetr.model.masks import pack_masks, sample_targets, unpack_masks
+from spmd_rfdetr.model.masks import pack_masks, sample_at, sample_targets, unpack_masks
 from spmd_rfdetr.model.upstream import build_model, build_upstream_criterion, upstream_configs
 
 RESOLUTION, SLOTS, CLASSES = 48, 4, 3
@@ -80,7 +80,8 @@ def ours_from_upstream(draws: list[torch.Tensor], pairs: list[list[tuple[torch.T
                        batch: int, groups: int, per_group: int) -> list[torch.Tensor]:
     """Upstream's draws in the order our criterion draws them (both: every layer's matcher draw, then each layer's two
     loss draws), the loss draws' rows as our matches ``[B, G, T]``: upstream's row of pair (image, query, target) goes
-    to row ``image*G*T + (query // per_group)*T + target``; padding rows get fresh random values."""
+    to row ``image*G*T + (query // per_group)*T + target``; padding rows get fresh random values. Upstream draws
+    a loss draw's points as ``[N, P, 2]``, ours as two planes (x, then y)."""
     layers = len(pairs)
     cost_draws, loss_draws = draws[:layers], []
     for k in range(layers):
@@ -90,7 +91,7 @@ def ours_from_upstream(draws: list[torch.Tensor], pairs: list[list[tuple[torch.T
         for upstream in draws[layers + 2 * k: layers + 2 * k + 2]:
             ours = torch.rand(batch * groups * SLOTS, *upstream.shape[1:])
             ours[index] = upstream
-            loss_draws.append(ours)
+            loss_draws += [ours[..., 0].contiguous(), ours[..., 1].contiguous()]
     return cost_draws + loss_draws
 
 
@@ -147,7 +148,9 @@ def test_seg_losses_and_gradients_equal_upstream(counts: list[int]) -> None:
 
 def test_packed_masks_sample_as_rfdetr_nearest_point_sample() -> None:
     """Bit-packed target masks read at points equal rfdetr's ``point_sample(mode="nearest")`` of the bool masks,
-    at random points and at exact pixel-centre ties, eagerly and on the XLA device (the row products in bf16)."""
+    at random points and at exact pixel-centre ties, eagerly and on the XLA device (the row products in bf16). XLA's
+    CPU compiler folds rfdetr's ``(2c - 1) + 1`` to ``2c``, which differs only off the 2**-24 grid ``torch.rand``
+    draws from: the device gets the random points and the ties on that grid."""
     import torch_xla
     from rfdetr.models.heads.segmentation import point_sample
 
@@ -156,13 +159,40 @@ def test_packed_masks_sample_as_rfdetr_nearest_point_sample() -> None:
         masks = torch.rand(2, 3, size, size, generator=generator) > 0.5
         packed = torch.stack([pack_masks(m, 3) for m in masks])
         assert torch.equal(unpack_masks(packed, size), masks)
-        ties = (torch.randint(0, 2 * size + 1, (2, 3, 20, 2), generator=generator) / (2 * size))
-        coords = torch.cat([torch.rand(2, 3, 50, 2, generator=generator), ties], dim=2)
+        on_grid_ties = torch.randint(0, 17, (2, 3, 10, 2), generator=generator) / 16  # ties at sizes 12 and 40
+        ties = torch.randint(0, 2 * size + 1, (2, 3, 20, 2), generator=generator) / (2 * size)
+        coords = torch.cat([torch.rand(2, 3, 50, 2, generator=generator), on_grid_ties, ties], dim=2)
         want = point_sample(masks.flatten(0, 1)[:, None].float(), coords.flatten(0, 1)[:, :, None],
-                            align_corners=False, mode="nearest")
-        assert torch.equal(sample_targets(packed, coords), want.view(2, 3, -1))
+                            align_corners=False, mode="nearest").view(2, 3, -1)
+        assert torch.equal(sample_targets(packed, *coords.unbind(-1)), want)
         device = torch_xla.device()
-        assert torch.equal(sample_targets(packed.to(device), coords.to(device)).cpu(), want.view(2, 3, -1))
+        on_device = sample_targets(packed.to(device), *coords[:, :, :60].to(device).unbind(-1))
+        assert torch.equal(on_device.cpu(), want[..., :60])
+
+
+def test_points_sampled_as_planes_equal_rfdetrs_point_sample() -> None:
+    """``sample_at`` on the XLA device (two planes in pixel units, tent-weight products) against rfdetr's
+    ``point_sample`` on the CPU (``F.grid_sample``, ``border`` padding): random points, pixel centres and the edges 0
+    and 1; the samples and the maps' gradient."""
+    import torch_xla
+    from rfdetr.models.heads.segmentation import point_sample
+
+    generator = torch.Generator().manual_seed(11)
+    for height, width in ((6, 5), (13, 13)):
+        maps = torch.randn(4, height, width, generator=generator)
+        x, y = ((torch.cat([torch.rand(4, 30, generator=generator),
+                            (torch.randint(0, size, (4, 6), generator=generator) + 0.5) / size,
+                            torch.zeros(4, 1), torch.ones(4, 1)], dim=1)) for size in (width, height))
+        cpu = maps.clone().requires_grad_()
+        want = point_sample(cpu[:, None], torch.stack([x, y], -1), align_corners=False)[:, 0]
+        (want * want).sum().backward()
+        device = torch_xla.device()
+        on_device = maps.to(device).requires_grad_()
+        got = sample_at(on_device, x.to(device), y.to(device))
+        assert "gather" not in torch_xla._XLAC._get_xla_tensors_hlo([got])  # the products, not rfdetr's lookups
+        (got * got).sum().backward()
+        torch.testing.assert_close(got.detach().cpu(), want.detach(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(on_device.grad.cpu(), cpu.grad, rtol=0, atol=1e-5)
 
 
 def seg_tiny(num_queries: int = 8) -> tuple[ModelOptions, OptimOptions, Any]:

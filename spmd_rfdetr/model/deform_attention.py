@@ -138,15 +138,21 @@ def separable_grid_sample(input: torch.Tensor, grid: torch.Tensor, padding_mode:
     x, y = (axis.flatten(1) for axis in pixel_coordinates(grid, height, width, align_corners))  # [N, Q]
     if padding_mode == "border":
         x, y = x.clamp(0, width - 1), y.clamp(0, height - 1)
+    return tent_sample(input, x, y).reshape(maps, channels, grid.shape[1], grid.shape[2])
+
+
+def tent_sample(maps: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Bilinear samples ``[N, C, Q]`` of ``maps [N, C, H, W]`` at pixel coordinates ``x, y [N, Q]`` (corners outside
+    the map count 0), as two products per map: the points' column weights ``[Q, W]`` times the map, then each point's
+    row weights times that ``[Q, H]`` result (:func:`separable_grid_sample`)."""
+    height, width = maps.shape[-2:]
 
     def axis_weights(coordinate: torch.Tensor, size: int) -> torch.Tensor:  # [N, Q, size]
-        index = torch.arange(size, device=input.device, dtype=coordinate.dtype)
-        return (1 - (coordinate[..., None] - index).abs()).clamp(min=0).to(input.dtype)
+        index = torch.arange(size, device=maps.device, dtype=coordinate.dtype)
+        return (1 - (coordinate[..., None] - index).abs()).clamp(min=0).to(maps.dtype)
 
-    columns, rows = axis_weights(x, width), axis_weights(y, height)
-    by_row = torch.einsum("nqw,nchw->nqch", columns, input)  # [N, Q, C, H]
-    out = torch.einsum("nqch,nqh->nqc", by_row, rows)
-    return out.transpose(1, 2).reshape(maps, channels, grid.shape[1], grid.shape[2])
+    by_row = torch.einsum("nqw,nchw->nqch", axis_weights(x, width), maps)  # [N, Q, C, H]
+    return torch.einsum("nqch,nqh->ncq", by_row, axis_weights(y, height))
 
 
 def dense_core_for_xla(upstream: Any) -> Any:

@@ -16,7 +16,9 @@ padded batches:
   rfdetr's nearest-pixel rule, no unpacked mask on the device;
 - the uncertain-point selection is rfdetr's, with its flat-index gather over all matches replaced by a per-match
   one-hot pick (:func:`uncertain_points`): the flat index crosses images, which a batch split over chips cannot keep,
-  and a row lookup per point costs the TPU a memory tile or more.
+  and a row lookup per point costs the TPU a memory tile or more;
+- the points travel as two planes ``x, y [N, P]`` (drawn as two draws; sampled by :func:`sample_at`): the TPU laid
+  rfdetr's interleaved ``[N, P, 2]`` points out, copied and split them before every product.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.nn.functional as F  # noqa: N812
 from rfdetr.models.heads.segmentation import calculate_uncertainty, point_sample
 from torch import Tensor
 
+from spmd_rfdetr.model.deform_attention import DENSE_SAMPLE_MAX_POSITIONS, tent_sample
 from spmd_rfdetr.model.matching import pick_values
 from spmd_rfdetr.xla.mesh import take_rows
 
@@ -52,27 +55,38 @@ def unpack_masks(packed: Tensor, width: int) -> Tensor:
     return torch.from_numpy(bits.astype(bool))
 
 
-def sample_targets(packed: Tensor, coords: Tensor) -> Tensor:
+def sample_targets(packed: Tensor, x: Tensor, y: Tensor) -> Tensor:
     """Target masks at points, rfdetr's nearest-pixel rule (``point_sample(..., mode="nearest")``, border padding).
 
-    ``packed [B, T, R, Rb]`` (:func:`pack_masks` of square ``R x R`` masks), ``coords [B, T, K, 2]`` or
-    ``[B, G, T, K, 2]`` (x, y) in [0, 1] -> float ``[B, (G,) T, K]``: 1 where target ``t``'s mask covers the point.
+    ``packed [B, T, R, Rb]`` (:func:`pack_masks` of square ``R x R`` masks), the points' ``x, y`` in [0, 1] as
+    ``[B, T, K]`` or ``[B, G, T, K]`` -> float ``[B, (G,) T, K]``: 1 where target ``t``'s mask covers the point.
     Each point's packed row is picked by a one-hot product (exact: bytes 0..255 are exact in bf16, one non-zero term a
     sum), then its byte and bit. A row lookup per point cost the TPU a memory tile for 39 bytes: 3.0 GB a layer of
     the seg recipe (2M points).
     """
     height, row_bytes = packed.shape[-2:]
     width = height
-    grid = 2.0 * coords - 1.0  # rfdetr's normalisation order, so the rounding ties fall where its do
-    x = torch.round(((grid[..., 0] + 1.0) * width - 1.0) / 2.0).long().clamp(0, width - 1)
-    y = torch.round(((grid[..., 1] + 1.0) * height - 1.0) / 2.0).long().clamp(0, height - 1)
+    dtype = x.dtype
+    x, y = nearest_pixel(x, width), nearest_pixel(y, height)
     row = (y[..., None] == torch.arange(height, device=packed.device)).to(torch.bfloat16)  # [B, (G,) T, K, R]
-    groups = "g" if coords.dim() == 5 else ""  # matches in groups: no transpose to targets first
+    groups = "g" if x.dim() == 4 else ""  # matches in groups: no transpose to targets first
     rows = torch.einsum(f"b{groups}tkr,btrc->b{groups}tkc", row, packed.to(torch.bfloat16))  # [B, (G,) T, K, Rb]
     column = (x // 8)[..., None] == torch.arange(row_bytes, device=packed.device)
     byte = torch.where(column, rows, 0).sum(-1, dtype=torch.int32)
     bit = torch.bitwise_and(torch.bitwise_right_shift(byte, (x % 8).to(torch.int32)), 1)
-    return bit.to(coords.dtype)
+    return bit.to(dtype)
+
+
+def nearest_pixel(coordinate: Tensor, size: int) -> Tensor:
+    """rfdetr's nearest pixel of points in [0, 1] on ``size`` pixels (``grid_sample``'s rule: ``g = 2c - 1``,
+    ``q = (g + 1) * (size / 2)``, then ``round(q - 0.5)`` with ties to even, clamped). That is ``floor(q)``, except
+    where ``q`` is an integer ``k`` (a tie between pixels ``k - 1`` and ``k``: the even one), so no subtraction
+    follows the product for a fused multiply-add to move a tie by. XLA's CPU compiler folds ``(2c - 1) + 1`` to
+    ``2c``: the same number for every point ``torch.rand`` draws (multiples of 2**-24)."""
+    scaled = (2.0 * coordinate - 1.0 + 1.0) * (size / 2)
+    below = torch.floor(scaled)
+    odd_tie = (scaled == below) & (torch.remainder(below, 2) == 1)
+    return (below - odd_tie.to(below.dtype)).long().clamp(0, size - 1)
 
 
 def query_masks(pred_masks: dict[str, Tensor], query: Tensor) -> Tensor:
@@ -91,7 +105,8 @@ def mask_cost(pred_masks: dict[str, Tensor], packed: Tensor, point_ratio: int) -
     coords = torch.rand(1, points, 2, device=spatial.device)
     logits = point_sample(spatial, coords.repeat(batch, 1, 1), align_corners=False)  # [B, C, P]
     logits = torch.einsum("bcp,bqc->bqp", logits, features) + bias
-    target = sample_targets(packed, coords[:, None].expand(batch, slots, points, 2)).to(logits.dtype)
+    x, y = (axis[:, None].expand(batch, slots, points) for axis in coords.unbind(-1))
+    target = sample_targets(packed, x, y).to(logits.dtype)
     pos = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits), reduction="none")
     neg = F.binary_cross_entropy_with_logits(logits, torch.zeros_like(logits), reduction="none")
     ce = (torch.einsum("bqp,btp->bqt", pos, target) + torch.einsum("bqp,btp->bqt", neg, 1 - target)) / points
@@ -101,20 +116,36 @@ def mask_cost(pred_masks: dict[str, Tensor], packed: Tensor, point_ratio: int) -
     return ce, 1 - (numerator + 1) / (denominator + 1)
 
 
-def uncertain_points(logits: Tensor, points: int) -> Tensor:
+def sample_at(maps: Tensor, x: Tensor, y: Tensor) -> Tensor:
+    """rfdetr's ``point_sample`` of ``maps [N, h, w]`` at points ``x, y [N, P]`` in [0, 1] -> ``[N, P]`` (bilinear,
+    ``border`` padding: its default). On the XLA device the points stay two planes, in pixel units ``x * w - 0.5``
+    (rfdetr's ``((2x - 1) + 1) * w / 2 - 0.5``) clamped into the map, sampled by tent weights
+    (:func:`~spmd_rfdetr.model.deform_attention.tent_sample`): rfdetr's ``[N, P, 1, 2]`` grid was rewritten three
+    times on the TPU before the products."""
+    height, width = maps.shape[-2:]
+    if maps.device.type == "xla" and not torch.compiler.is_compiling() and height * width <= DENSE_SAMPLE_MAX_POSITIONS:
+        pixel_x, pixel_y = (x * width - 0.5).clamp(0, width - 1), (y * height - 0.5).clamp(0, height - 1)
+        return tent_sample(maps[:, None], pixel_x, pixel_y)[:, 0]
+    return point_sample(maps[:, None], torch.stack([x, y], -1), align_corners=False)[:, 0]
+
+
+def uncertain_points(logits: Tensor, points: int) -> tuple[Tensor, Tensor]:
     """rfdetr's ``get_uncertain_point_coords_with_randomness(logits, calculate_uncertainty, points, 3, 0.75)`` for
-    ``logits [N, 1, h, w]`` -> ``[N, points, 2]``, the same draws in the same order; the uncertain points are taken
-    per mask by a one-hot pick (upstream indexes all masks' points as one flat array)."""
+    ``logits [N, h, w]`` -> the points' ``x, y [N, points]``. The same arithmetic on the same kind of draws, but x
+    and y drawn as two planes (upstream: one ``[N, P, 2]`` draw, which the TPU laid out, copied and split: ~0.3 GB a
+    layer of the seg recipe). The uncertain points are taken per mask by a one-hot pick (upstream indexes all masks'
+    points as one flat array)."""
     count = logits.shape[0]
-    coords = torch.rand(count, points * OVERSAMPLE_RATIO, 2, device=logits.device)
-    uncertainty = calculate_uncertainty(point_sample(logits, coords, align_corners=False))
+    x, y = (torch.rand(count, points * OVERSAMPLE_RATIO, device=logits.device) for _ in range(2))
+    uncertainty = calculate_uncertainty(sample_at(logits, x, y)[:, None])[:, 0]
     uncertain = int(IMPORTANCE_SAMPLE_RATIO * points)
-    index = torch.topk(uncertainty[:, 0, :], k=uncertain, dim=1)[1]
+    index = torch.topk(uncertainty, k=uncertain, dim=1)[1]
     # one-hot picks (the matcher's): a row lookup of 2 coordinates cost the TPU ~66 KB (98 GB a layer at 100 targets)
-    chosen = torch.stack([pick_values(coords[..., axis], index) for axis in (0, 1)], -1)
+    x, y = pick_values(x, index), pick_values(y, index)
     if points == uncertain:
-        return chosen
-    return torch.cat([chosen, torch.rand(count, points - uncertain, 2, device=logits.device)], dim=1)
+        return x, y
+    fresh_x, fresh_y = (torch.rand(count, points - uncertain, device=logits.device) for _ in range(2))
+    return torch.cat([x, fresh_x], dim=1), torch.cat([y, fresh_y], dim=1)
 
 
 def mask_losses(pred_masks: dict[str, Tensor], query: Tensor, batch: dict[str, Tensor], num_boxes: Tensor,
@@ -125,12 +156,13 @@ def mask_losses(pred_masks: dict[str, Tensor], query: Tensor, batch: dict[str, T
     batch_size, matches, height, mask_width = masks.shape
     slots = batch["valid"].shape[1]
     groups = matches // slots
-    flat = masks.reshape(batch_size * matches, 1, height, mask_width)
+    flat = masks.reshape(batch_size * matches, height, mask_width)
     points = max(height, height * mask_width // point_ratio)
     with torch.no_grad():
-        coords = uncertain_points(flat, points)  # [B*M, P, 2]
-        labels = sample_targets(batch["masks"], coords.view(batch_size, groups, slots, points, 2)).reshape(-1, points)
-    logits = point_sample(flat, coords, align_corners=False).squeeze(1)  # [B*M, P]
+        x, y = uncertain_points(flat, points)  # [B*M, P] each
+        in_groups = (batch_size, groups, slots, points)
+        labels = sample_targets(batch["masks"], x.view(in_groups), y.view(in_groups)).reshape(-1, points)
+    logits = sample_at(flat, x, y)  # [B*M, P]
     valid = batch["valid"].repeat(1, groups).reshape(-1).to(logits.dtype)
     ce = F.binary_cross_entropy_with_logits(logits, labels, reduction="none").mean(1)
     prob = logits.sigmoid()

@@ -31,6 +31,13 @@ DENSE_MAX_POSITIONS = 2048
 DENSE_SAMPLE_MAX_POSITIONS = 16384
 
 
+def samples_by_products(maps: torch.Tensor) -> bool:
+    """Whether ``maps [..., H, W]`` are sampled by :func:`tent_sample`'s two products: XLA tensors traced lazily (dynamo
+    traces rfdetr's row lookups instead) of at most :data:`DENSE_SAMPLE_MAX_POSITIONS` positions."""
+    return (maps.device.type == "xla" and not torch.compiler.is_compiling()
+            and maps.shape[-2] * maps.shape[-1] <= DENSE_SAMPLE_MAX_POSITIONS)
+
+
 def corners(locations: torch.Tensor, attention_weights: torch.Tensor, shapes: list[tuple[int, int]],
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sampled corner's flat position (``-1`` outside the map) and weight (attention x bilinear), as

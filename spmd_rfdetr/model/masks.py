@@ -30,7 +30,7 @@ import torch.nn.functional as F  # noqa: N812
 from rfdetr.models.heads.segmentation import calculate_uncertainty, point_sample
 from torch import Tensor
 
-from spmd_rfdetr.model.deform_attention import DENSE_SAMPLE_MAX_POSITIONS, tent_sample
+from spmd_rfdetr.model.deform_attention import samples_by_products, tent_sample
 from spmd_rfdetr.model.matching import pick_values
 from spmd_rfdetr.xla.mesh import take_rows
 
@@ -123,7 +123,7 @@ def sample_at(maps: Tensor, x: Tensor, y: Tensor) -> Tensor:
     (:func:`~spmd_rfdetr.model.deform_attention.tent_sample`): rfdetr's ``[N, P, 1, 2]`` grid was rewritten three
     times on the TPU before the products."""
     height, width = maps.shape[-2:]
-    if maps.device.type == "xla" and not torch.compiler.is_compiling() and height * width <= DENSE_SAMPLE_MAX_POSITIONS:
+    if samples_by_products(maps):
         pixel_x, pixel_y = (x * width - 0.5).clamp(0, width - 1), (y * height - 0.5).clamp(0, height - 1)
         return tent_sample(maps[:, None], pixel_x, pixel_y)[:, 0]
     return point_sample(maps[:, None], torch.stack([x, y], -1), align_corners=False)[:, 0]

@@ -38,7 +38,8 @@
   than four lookups of one corner each, which were 25x fewer than the element-wise gather. Both in the training step
   and the eval program (dynamo traces them, as it does the seg masks' lookup in :mod:`spmd_rfdetr.eval.evaluator`);
   ``point_sample`` (mask cost and losses, also under ``no_grad``) in the training step on maps above the next limit.
-- ``point_sample``'s sampler in the training step (the seg variants' mask cost and losses): on maps of up to
+- ``point_sample``'s sampler in the training step (the seg variants' mask cost; their losses sample two planes of
+  points the same way, :func:`~spmd_rfdetr.model.masks.sample_at`): on maps of up to
   :data:`~spmd_rfdetr.model.deform_attention.DENSE_SAMPLE_MAX_POSITIONS` positions, two products per map
   (:func:`~spmd_rfdetr.model.deform_attention.separable_grid_sample`) instead of a row lookup per point: at the seg
   recipe's shapes (5,200 matched 78x78 masks, 380 points each, forward + backward, v5e) 0.81 GB against 203.5.
@@ -67,7 +68,7 @@ from typing import Any
 import torch
 
 from spmd_rfdetr.model.attention import attention
-from spmd_rfdetr.model.deform_attention import DENSE_SAMPLE_MAX_POSITIONS, dense_core_for_xla, separable_grid_sample
+from spmd_rfdetr.model.deform_attention import dense_core_for_xla, samples_by_products, separable_grid_sample
 from spmd_rfdetr.model.resize import resize_as_matmul
 from spmd_rfdetr.model.row_lookups import row_sampler, with_row_gathers
 from spmd_rfdetr.xla.fused_attention import fused_attention
@@ -142,15 +143,13 @@ def _install_row_lookups() -> None:
 
 def _point_sampler(upstream: Any) -> Any:
     """rfdetr's ``_bilinear_grid_sample`` for ``point_sample`` in the training step: two products per map
-    (:func:`separable_grid_sample`) on maps of at most :data:`DENSE_SAMPLE_MAX_POSITIONS` positions, else row
-    lookups."""
+    (:func:`separable_grid_sample`) where :func:`samples_by_products` says so, else row lookups."""
     rows = row_sampler(upstream, lambda: not torch.compiler.is_compiling())
 
     @functools.wraps(upstream)
     def sample(input: torch.Tensor, grid: torch.Tensor, padding_mode: str = "zeros",
                align_corners: bool = False) -> torch.Tensor:
-        if (input.device.type == "xla" and padding_mode in ("zeros", "border") and not torch.compiler.is_compiling()
-                and input.shape[-2] * input.shape[-1] <= DENSE_SAMPLE_MAX_POSITIONS):
+        if padding_mode in ("zeros", "border") and samples_by_products(input):
             return separable_grid_sample(input, grid, padding_mode, align_corners)
         return rows(input, grid, padding_mode, align_corners)
 

@@ -300,6 +300,20 @@ _OOM_FORMS = (  # (regex with need/avail groups, what it measures)
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
 
 
+_ALIAS = re.compile(r"\{(\d+)\}: \((\d+), \{\}, (?:may|must)-alias\)")
+
+
+def aliased_outputs(text: str) -> dict[int, int]:
+    """Parameter number -> the output whose buffer it is, from a compiled module's ``input_output_alias`` header (the
+    outputs of a tuple result; the compiler's pairing of donated inputs with outputs)."""
+    header = text.split("\n", 1)[0]
+    start = header.find("input_output_alias={")
+    if start < 0:
+        return {}
+    block = header[start:_close(header, start + len("input_output_alias="))]
+    return {int(param): int(output) for output, param in _ALIAS.findall(block)}
+
+
 def parse_size(text: str) -> int:
     """``"15.75G"`` / ``"258.00M"`` / ``"512B"`` / ``"137438953472"`` -> bytes (libtpu's G is GiB)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)i?B?\s*", text)

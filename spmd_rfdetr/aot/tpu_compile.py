@@ -8,6 +8,9 @@
 - GSPMD is forced (``use_shardy_partitioner=False``): Shardy ignores torch_xla's GSPMD shardings and silently
   replicates everything. Output shardings may be propagated, as torch_xla compiles them.
 - ``hlo_to_stablehlo`` drops torch_xla's buffer donors: ``donors`` are set back as ``jax.buffer_donor`` on ``main``.
+  The compiler pairs each donor with an output of its size (``input_output_alias``); ``updated_in_own_buffer`` counts
+  the donors (of ``own_outputs``: parameter -> the output that updates the same tensor) written back into their own
+  buffer. One written into another tensor's buffer makes the compiler copy around it.
 - Figures are per device (a chip; on v3 one of its two cores). ``memory.peak`` = argument + output - alias + temp +
   generated_code: the program's code lives in HBM too. ``hbm_bytes`` is what libtpu offers a program (chips.py;
   ``hbm_published_bytes`` the data-sheet figure); ``hbm_free_fraction`` = 1 - peak / hbm_bytes.
@@ -36,7 +39,7 @@ from typing import Any
 
 from spmd_rfdetr.aot import chips as chips_mod
 from spmd_rfdetr.aot.components import bytes_by_component, format_table, hbm_share
-from spmd_rfdetr.aot.hlo_report import parse_oom, report
+from spmd_rfdetr.aot.hlo_report import aliased_outputs, parse_oom, report
 from spmd_rfdetr.aot.op_costs import gather_fusions
 
 #: libtpu probes for TPU hardware and a metadata server unless told it is elsewhere (no effect on the compile); the
@@ -219,6 +222,9 @@ def compile_program(prog: dict, base: Path, devices: list, chip: chips_mod.Chip,
     res["roofline_ms"] = round(max(t_flops, t_bytes) * 1e3, 4)
     res["bound"] = "compute" if t_flops >= t_bytes else "memory"
     text = exe.hlo_modules()[0].to_string()
+    if own := prog.get("own_outputs"):  # donated state tensor -> its own update: is it written into its own buffer?
+        aliased = aliased_outputs(text)
+        res["updated_in_own_buffer"] = sum(aliased.get(int(param)) == output for param, output in own.items())
     try:
         res.update(report(text))
     except ValueError as e:  # an HLO spelling the reader does not know: keep the compiler's numbers

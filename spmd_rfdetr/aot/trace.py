@@ -163,7 +163,9 @@ def _write(out: Path, name: str, kind: str, lowered: Any, global_batch: int, dev
            common: dict[str, Any]) -> dict[str, Any]:
     file = f"{kind}_{resolution}.hlo.pb"
     (out / file).write_bytes(lowered.hlo)
-    return {"name": name, "kind": kind, "file": file, "donors": lowered.donors, "global_batch": global_batch,
+    return {"name": name, "kind": kind, "file": file, "donors": lowered.donors,
+            "own_outputs": {str(param): output for param, output in lowered.own_outputs.items()},
+            "global_batch": global_batch,
             "images_per_device": global_batch // devices, "resolution": resolution,
             "traced_instructions": lowered.instructions, "input_types": lowered.input_types, **common}
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch_xla
@@ -32,17 +33,23 @@ class Lowered:
     instructions: int
     input_types: dict[str, int]
     """How many inputs of each element type (``{"F32": 703, "S64": 6, "PRED": 2}``; TPUs have no ``F64``)."""
+    own_outputs: dict[int, int] = field(default_factory=dict)
+    """Donated parameter number -> the output that is the same tensor updated (where the caller said)."""
 
 
-def lower(outputs: list[torch.Tensor], donated: list[torch.Tensor] = (), name: str = "program") -> Lowered:
+def lower(outputs: list[torch.Tensor], donated: Sequence[torch.Tensor | tuple[torch.Tensor, int]] = (),
+          name: str = "program") -> Lowered:
     """The HLO module torch_xla would compile for the pending ``outputs``, with the ``donated`` graph inputs marked,
-    for an ahead-of-time compiler; nothing compiles or runs here."""
+    for an ahead-of-time compiler; nothing compiles or runs here. A donated input given as ``(value, output index)``
+    records which output is its own update (:attr:`Lowered.own_outputs`)."""
     ctx = _X.lowering.LoweringContext(name)
     ctx.build(list(outputs))
-    donors = {ctx.tensor_parameter_id(value) for value in donated}
+    pairs = [item if isinstance(item, tuple) else (item, -1) for item in donated]
+    param_ids = [(ctx.tensor_parameter_id(value), output) for value, output in pairs]
     text = ctx.hlo_text()
     instructions = sum(1 for line in text.splitlines() if line.strip() == "instructions {")
-    return Lowered(ctx.hlo(), sorted(i for i in donors if i >= 0), instructions, _input_types(text))
+    return Lowered(ctx.hlo(), sorted({i for i, _ in param_ids if i >= 0}), instructions, _input_types(text),
+                   {i: output for i, output in param_ids if i >= 0 and output >= 0})
 
 
 def _input_types(proto_text: str) -> dict[str, int]:

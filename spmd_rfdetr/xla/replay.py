@@ -77,8 +77,13 @@ class Program:
 
     def donated(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The graph inputs whose buffers the program may reuse for its outputs: the state tensors it updates."""
-        written = {id(t) for t in self.targets if t is not None}
-        return [value for (kind, tensor), value in zip(self.slots, inputs) if kind == "state" and id(tensor) in written]
+        return [value for value, _ in self.donated_to(inputs)]
+
+    def donated_to(self, inputs: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+        """:meth:`donated`, each with the index of the output that updates the same tensor."""
+        output_of = {id(t): i for i, t in enumerate(self.targets) if t is not None}
+        return [(value, output_of[id(tensor)]) for (kind, tensor), value in zip(self.slots, inputs)
+                if kind == "state" and id(tensor) in output_of]
 
     def inputs(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """This replay's graph inputs: the state as it is now, the batch, a fresh RNG seed."""
@@ -103,7 +108,7 @@ class Replayer:
 
     Args:
         fn: the step; it updates ``state()`` in place and returns one tensor (e.g. a stats vector).
-        state: the tensors ``fn`` reads and updates (called before and after the trace: gradients appear in it).
+        state: the tensors ``fn`` reads and updates (called before and after the trace).
     """
 
     def __init__(self, fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
@@ -187,7 +192,7 @@ class Replayer:
         nothing compiles or runs and the state is left as it was."""
         lowered: list[Lowered] = []
         self._trace_aside(batch, lambda program, inputs, outputs: lowered.append(
-            lower(outputs, program.donated(inputs), name)))
+            lower(outputs, program.donated_to(inputs), name)))
         return lowered[0]
 
     def _trace_aside(self, batch: dict[str, torch.Tensor],
@@ -262,11 +267,12 @@ class Replayer:
         # bridge bug of openxla_fix.py) and would hide them from the next trace's matching.
         written = {id(t) for t in outputs}
         read_only = [batch[n] for n in names] + [t for t in before if id(t) not in written]
+        seed_ids = {_X._get_seed_info_id()}
+        outputs = _in_input_order(outputs, result, slot_of, seed_ids, read_only + before)
         ids, values = _X._get_tensors_xla_device_data_node(outputs, read_only)
-        seed_id = _X._get_seed_info_id()
         slots: list[tuple[str, Any]] = []
         for tensor_id, value in zip(ids, values):
-            if tensor_id == seed_id:
+            if tensor_id in seed_ids:
                 slots.append(("seed", str(value.device)))
             else:
                 slots.append(slot_of.get(tensor_id, ("const", value)))
@@ -323,6 +329,37 @@ DONATE_ON_CPU_ENV = "SPMD_RFDETR_DONATE_ON_CPU"
 def donates_at_runtime() -> bool:
     """Whether the replayed program reuses the state's buffers for its outputs on this backend (a TPU: always)."""
     return xr.device_type() != "CPU" or os.environ.get(DONATE_ON_CPU_ENV, "0") == "1"
+
+
+def _in_input_order(outputs: list[torch.Tensor], result: torch.Tensor, slot_of: dict[int, tuple[str, Any]],
+                    seed_ids: set[int], known: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``outputs`` reordered: the state tensors the program reads first, in the order of their inputs, then the rest,
+    the result last.
+
+    XLA pairs donated inputs with outputs by byte size alone (``OptimizeInputOutputBufferAlias``: within a size, the
+    k-th donated parameter with the k-th output), and torch_xla numbers parameters in the post-order of the outputs'
+    graph. In another order, a weight's update is written into another same-sized tensor's buffer (another weight's
+    moment, say), and the TPU compiler copies buffers around it (``aot`` reports ``updated_in_own_buffer``; the
+    lazily traced modes cannot order their outputs and keep that cost). The post-order depends on the order of the
+    outputs, so this repeats until it holds. Each look wraps the inputs not in ``known`` anew, which under SPMD renames
+    their data: ``slot_of`` (the state's) and ``seed_ids`` (the RNG seed's) learn the new names."""
+    for _ in range(4):
+        ids, values = _X._get_tensors_xla_device_data_node(outputs, known)
+        position = {}
+        for index, (tensor_id, value) in enumerate(zip(ids, values)):
+            if tensor_id in seed_ids:
+                seed_ids.add(_X._xla_get_tensor_id(value))
+            kind, tensor = slot_of.get(tensor_id, ("", None))
+            if kind == "state":
+                position[id(tensor)] = index
+                slot_of[_X._xla_get_tensor_id(value)] = (kind, tensor)
+        reads = [t for t in outputs if id(t) in position]
+        ordered = sorted(reads, key=lambda t: position[id(t)])
+        if [id(t) for t in outputs[:len(ordered)]] == [id(t) for t in ordered] and outputs[-1] is result:
+            return outputs
+        outputs = ordered + [t for t in outputs if id(t) not in position and t is not result] + [result]
+    log.debug("the step's outputs did not settle in the order of their inputs: XLA may copy some donated buffers")
+    return outputs
 
 
 def _evicted(error: RuntimeError) -> bool:

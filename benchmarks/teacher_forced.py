@@ -95,9 +95,10 @@ def _compare(run: Any, states: list[Path]) -> list[dict]:
         loader = run.fabric.setup_dataloaders(make_train_loader(run.train_set, d, run.cfgs.model.resolution,
                                                                 seed=t.seed, start_step=step - 1,
                                                                 host=hosts.batch_share()))
+        moments = {n: trainer.optimizer.state[p]["exp_avg"].cpu() for n, p in net.named_parameters()}
         stats = trainer.step.read(trainer.step(next(iter(loader))))
-        # ours are clipped in place (clip_grad_norm_): compare directions, and the norms from the step's grad_norm
-        grads = {n: p.grad.cpu() for n, p in net.named_parameters() if p.grad is not None}
+        # ours are clipped (clip_grad_norm_): compare directions, and the norms from the step's grad_norm
+        grads = _applied_gradients(trainer.optimizer, dict(net.named_parameters()), moments)
         shared = [n for n in grads if n in state["grads"]]
         ours, ref = _unit({n: grads[n] for n in shared}), _unit({n: state["grads"][n] for n in shared})
         err = _norm(ours[n] - ref[n] for n in shared)
@@ -151,6 +152,15 @@ def _unit(grads: dict[str, Any]) -> dict[str, Any]:
     """``grads`` (float64) divided by their joint L2 norm."""
     norm = _norm(grads.values())
     return {n: g.double() / norm for n, g in grads.items()}
+
+
+def _applied_gradients(optimizer: Any, params: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """The (clipped) gradient the step just applied to each parameter, from AdamW's first moment before and after
+    (``exp_avg = before + (1 - beta1) * (grad - before)``): the step drops ``.grad`` at its end. A parameter the step
+    gave no gradient reads ``before`` (compare only those upstream had a gradient for)."""
+    beta1 = {id(p): group["betas"][0] for group in optimizer.param_groups for p in group["params"]}
+    return {n: before[n] + (optimizer.state[p]["exp_avg"].cpu() - before[n]) / (1 - beta1[id(p)])
+            for n, p in params.items()}
 
 
 def _load_optimizer(trainer: Any, saved: dict, step: int, cfg: Any) -> None:

@@ -156,6 +156,7 @@ def test_replayed_toy_training_equals_eager_and_a_baked_value_falls_back(mesh_tr
         step, losses, state = run_toy(mesh_trainer, cpu_batches, bake, "replay")
     _, trace_losses, trace_state = run_toy(mesh_trainer, cpu_batches, bake, "trace")
     assert losses == pytest.approx(trace_losses, rel=1e-6)  # replay == lazy tracing, step for step
+    assert all(p.grad is None for p in step.model.parameters())  # the gradients end with the step
     for k, v in trace_state.items():
         assert (state[k] - v).abs().max() <= 1e-6, k
     # and both == eager CPU torch (AdamW's update divides by sqrt(v): near-zero gradient entries move by ~lr on

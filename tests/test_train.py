@@ -13,7 +13,7 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 
-from support.models import FIRST_STEPS, parity_tolerance
+from support.models import FIRST_STEPS, first_step_gradients, parity_tolerance
 from jobs import JobInputs, job_fixture
 
 from spmd_rfdetr.training.metrics import aten_fallbacks, xla_counters
@@ -236,7 +236,7 @@ def test_our_step_equals_upstreams_from_weights_upstream_trained(tiny, mesh_trai
     trainer = build_trainer(mesh_trainer.fabric, tiny.cfgs, tiny.cfg.optim, tiny.cfg.trainer,
                             model=copy.deepcopy(trained), ema=tiny.cfg.model)
     stats = trainer.step.read(trainer.step(mesh_trainer.to_device(batch)))
-    grads = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in trainer.model.parameters()]
+    grads = first_step_gradients(trainer.optimizer, trainer.model.parameters())
     diff = torch.sqrt(sum(((g - r) ** 2).sum() for g, r in zip(grads, ref_grads)))
     norm = torch.sqrt(sum((r**2).sum() for r in ref_grads))
     print(f"from upstream-trained weights, valid image {image} (ranking margin {float(margins[image]):.2g}, median "
@@ -387,7 +387,7 @@ def test_accumulating_two_micro_batches_equals_one_batch(tiny, mesh_trainer, fir
                             ema=tiny.cfg.model)
     halves = trainer.step.read(trainer.step(mesh_trainer.to_device(tiny.batches[0])))
     params = list(trainer.model.parameters())
-    grads = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in params]
+    grads = first_step_gradients(trainer.optimizer, params)
     whole = first_steps.stats[0]
     assert halves["loss"] == pytest.approx(whole["loss"], rel=1e-5)
     assert halves["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)

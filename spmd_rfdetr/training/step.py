@@ -133,6 +133,12 @@ class TrainStep:
     A step whose loss or gradient norm is not finite does not change the weights or the optimizer state (each updated
     tensor is selected on the device: no host read); the stats count such steps (``nonfinite_steps``, cumulative) and
     name the first one (``first_nonfinite_step``, -1 while there is none), for the loop to act on at a log point.
+
+    The gradients live inside the step only: it ends with every ``.grad`` set to ``None``. As outputs they cost more
+    than their own bytes: the TPU compiler then writes each clipped gradient out of the pass that updates the weight
+    and its EMA, and updates the AdamW moments in a second pass that reads it back (AdamW + guard + EMA 8.5x a weight's
+    bytes without them, 12.5x with: ``benchmarks/README.md``); they would also hold HBM between steps. What a first step
+    applied can be read back from AdamW's first moment (``exp_avg = (1 - beta1) * grad`` after one step; the tests do).
     """
 
     def __init__(
@@ -175,7 +181,6 @@ class TrainStep:
     def state(self) -> list[torch.Tensor]:
         """Every device tensor the step reads or updates besides the batch."""
         tensors = [*self.model.parameters(), *self.model.buffers(), *self.criterion.buffers()]
-        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
         for group in self.optimizer.param_groups:
             tensors += [v for k, v in group.items() if k != "params" and isinstance(v, torch.Tensor)]
         for per_param in self.optimizer.state.values():
@@ -229,6 +234,8 @@ class TrainStep:
         stats.update({k: v.detach() for k, v in loss_dict.items() if k in LOGGED_LOSSES})
         stats.update(solver_stats())  # the device matcher's unconverged problems and search rounds
         self.stat_names = list(stats)
+        for param in params:  # the gradients end with the step (class docstring)
+            param.grad = None
         return torch.stack([v.float() for v in stats.values()])  # one tensor: one transfer at a log point
 
     @torch.no_grad()

@@ -14,7 +14,8 @@ from spmd_rfdetr.training.stops import SIGTERM_AT_STEP_ENV
 
 from jobs import JobInputs, job_fixture
 from support.models import (FIRST_STEPS, LOOP_MODEL, PREEMPTED_EVAL_EPOCHS, PREEMPTED_SIGTERM_STEP, TINY_MODEL,
-                            TINY_SEED, TRACE_STEPS, FirstSteps, MeshTrainer, Tiny, fit_config, loop_config, make_tiny)
+                            TINY_SEED, TRACE_STEPS, FirstSteps, MeshTrainer, Tiny, first_step_gradients, fit_config,
+                            loop_config, make_tiny)
 from support.runs import PreemptedRun, read_metrics, sigterm_after, start_fit, wait_for
 
 
@@ -81,7 +82,7 @@ def first_steps(tiny: Tiny, mesh_trainer: MeshTrainer) -> FirstSteps:
         stats.append(trainer.step.read(trainer.step(mesh_trainer.to_device(tiny.batches[i % len(tiny.batches)]))))
         if i == 0:
             params = list(trainer.model.parameters())
-            grads = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in params]
+            grads = first_step_gradients(trainer.optimizer, params)
             weights = [p.detach().cpu() for p in params]
     result = FirstSteps(stats, grads, weights, trainer.step.mode)
     del trainer

@@ -212,11 +212,21 @@ def parity_tolerance(step: int) -> float:
     return 1e-5 if step == 1 else 1e-4 if step == 2 else 2e-3
 
 
-def gradient_relative_error(ours: Any, reference: Any) -> float:
-    """Relative L2 error of the gradients of parameters ``ours`` (e.g. on the XLA mesh) against ``reference``'s (same
-    order; a parameter without a gradient counts as zeros)."""
+def first_step_gradients(optimizer: torch.optim.Optimizer, params: Any) -> list[torch.Tensor]:
+    """On the CPU, the (clipped) gradient of each of ``params`` that a training step applied from fresh AdamW state.
+
+    The step drops ``.grad`` at its end (:class:`~spmd_rfdetr.training.step.TrainStep`); AdamW's first update from a
+    zero moment wrote ``exp_avg = (1 - beta1) * grad`` (one float32 rounding), so this is ``grad`` to ~1e-7 relative.
+    A parameter the step gave no gradient reads zeros (AdamW left its moment at zero)."""
+    beta1 = {id(p): group["betas"][0] for group in optimizer.param_groups for p in group["params"]}
+    return [optimizer.state[p]["exp_avg"].cpu() / (1 - beta1[id(p)]) for p in params]
+
+
+def gradient_relative_error(ours: list[torch.Tensor], reference: Any) -> float:
+    """Relative L2 error of gradients ``ours`` (:func:`first_step_gradients`) against the ``.grad`` of parameters
+    ``reference`` (same order; a parameter without a gradient counts as zeros)."""
     want = [p.grad if p.grad is not None else torch.zeros(p.shape) for p in reference]
-    have = [p.grad.cpu() if p.grad is not None else torch.zeros(p.shape) for p in ours]
+    have = list(ours)
     diff = torch.sqrt(sum(((h - w) ** 2).sum() for h, w in zip(have, want, strict=True)))
     return float(diff / torch.sqrt(sum((w ** 2).sum() for w in want)))
 

@@ -34,22 +34,21 @@ class Lowered:
     input_types: dict[str, int]
     """How many inputs of each element type (``{"F32": 703, "S64": 6, "PRED": 2}``; TPUs have no ``F64``)."""
     own_outputs: dict[int, int] = field(default_factory=dict)
-    """Donated parameter number -> the output that is the same tensor updated (where the caller said)."""
+    """Donated parameter number -> the output that is the same tensor updated."""
 
 
-def lower(outputs: list[torch.Tensor], donated: Sequence[torch.Tensor | tuple[torch.Tensor, int]] = (),
+def lower(outputs: list[torch.Tensor], donated: Sequence[tuple[torch.Tensor, int]] = (),
           name: str = "program") -> Lowered:
-    """The HLO module torch_xla would compile for the pending ``outputs``, with the ``donated`` graph inputs marked,
-    for an ahead-of-time compiler; nothing compiles or runs here. A donated input given as ``(value, output index)``
-    records which output is its own update (:attr:`Lowered.own_outputs`)."""
+    """The HLO module torch_xla would compile for the pending ``outputs``, with the ``donated`` graph inputs marked
+    (each as ``(value, index of the output that is its own update)``), for an ahead-of-time compiler; nothing
+    compiles or runs here."""
     ctx = _X.lowering.LoweringContext(name)
     ctx.build(list(outputs))
-    pairs = [item if isinstance(item, tuple) else (item, -1) for item in donated]
-    param_ids = [(ctx.tensor_parameter_id(value), output) for value, output in pairs]
+    own = {ctx.tensor_parameter_id(value): output for value, output in donated}
+    own.pop(-1, None)  # not a parameter of this graph
     text = ctx.hlo_text()
     instructions = sum(1 for line in text.splitlines() if line.strip() == "instructions {")
-    return Lowered(ctx.hlo(), sorted({i for i, _ in param_ids if i >= 0}), instructions, _input_types(text),
-                   {i: output for i, output in param_ids if i >= 0 and output >= 0})
+    return Lowered(ctx.hlo(), sorted(own), instructions, _input_types(text), own)
 
 
 def _input_types(proto_text: str) -> dict[str, int]:

@@ -268,8 +268,7 @@ class Replayer:
         written = {id(t) for t in outputs}
         read_only = [batch[n] for n in names] + [t for t in before if id(t) not in written]
         seed_ids = {_X._get_seed_info_id()}
-        outputs = _in_input_order(outputs, result, slot_of, seed_ids, read_only + before)
-        ids, values = _X._get_tensors_xla_device_data_node(outputs, read_only)
+        outputs, ids, values = _in_input_order(outputs, result, slot_of, seed_ids, read_only)
         slots: list[tuple[str, Any]] = []
         for tensor_id, value in zip(ids, values):
             if tensor_id in seed_ids:
@@ -332,19 +331,21 @@ def donates_at_runtime() -> bool:
 
 
 def _in_input_order(outputs: list[torch.Tensor], result: torch.Tensor, slot_of: dict[int, tuple[str, Any]],
-                    seed_ids: set[int], known: list[torch.Tensor]) -> list[torch.Tensor]:
+                    seed_ids: set[int], read_only: list[torch.Tensor],
+                    ) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor]]:
     """``outputs`` reordered: the state tensors the program reads first, in the order of their inputs, then the rest,
-    the result last.
+    the result last; with the graph's inputs in that order (``_get_tensors_xla_device_data_node``: their data ids and
+    tensors, ``read_only`` ones passed through as they are).
 
     XLA pairs donated inputs with outputs by byte size alone (``OptimizeInputOutputBufferAlias``: within a size, the
     k-th donated parameter with the k-th output), and torch_xla numbers parameters in the post-order of the outputs'
     graph. In another order, a weight's update is written into another same-sized tensor's buffer (another weight's
     moment, say), and the TPU compiler copies buffers around it (``aot`` reports ``updated_in_own_buffer``; the
     lazily traced modes cannot order their outputs and keep that cost). The post-order depends on the order of the
-    outputs, so this repeats until it holds. Each look wraps the inputs not in ``known`` anew, which under SPMD renames
-    their data: ``slot_of`` (the state's) and ``seed_ids`` (the RNG seed's) learn the new names."""
+    outputs, so this repeats until it holds. Each look wraps the inputs not in ``read_only`` anew, which under SPMD
+    renames their data: ``slot_of`` (the state's) and ``seed_ids`` (the RNG seed's) learn the new names."""
     for _ in range(4):
-        ids, values = _X._get_tensors_xla_device_data_node(outputs, known)
+        ids, values = _X._get_tensors_xla_device_data_node(outputs, read_only)
         position = {}
         for index, (tensor_id, value) in enumerate(zip(ids, values)):
             if tensor_id in seed_ids:
@@ -356,10 +357,11 @@ def _in_input_order(outputs: list[torch.Tensor], result: torch.Tensor, slot_of: 
         reads = [t for t in outputs if id(t) in position]
         ordered = sorted(reads, key=lambda t: position[id(t)])
         if [id(t) for t in outputs[:len(ordered)]] == [id(t) for t in ordered] and outputs[-1] is result:
-            return outputs
+            return outputs, ids, values
         outputs = ordered + [t for t in outputs if id(t) not in position and t is not result] + [result]
     log.debug("the step's outputs did not settle in the order of their inputs: XLA may copy some donated buffers")
-    return outputs
+    ids, values = _X._get_tensors_xla_device_data_node(outputs, read_only)
+    return outputs, ids, values
 
 
 def _evicted(error: RuntimeError) -> bool:

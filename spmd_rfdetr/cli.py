@@ -168,7 +168,8 @@ def aot(
         max_batch: Search ``data.per_device_batch_size`` for the largest training step that compiles (one compile
             per probe), and the largest that leaves ``headroom`` of HBM free.
         headroom: Fraction of HBM a recipe should leave free (``--max_batch``).
-        keep: Keep the HLO modules and the compiler's results in this directory (default: a temporary one).
+        keep: Keep the HLO modules and the compiler's results in this directory (default: a temporary one, removed
+            after).
         hbm_only: Compile with no buffer in the chip's on-chip memory (libtpu's VMEM assignment off), so that
             "bytes accessed" counts HBM traffic only: an upper bound on what the normal program moves through HBM
             (whose count also includes its on-chip accesses). A measurement; ``fit`` runs the normal program, and

@@ -64,6 +64,7 @@ def verb(inputs: JobInputs, out: Path) -> dict:
                    "--json", str(out / "report.json"), "--keep", str(out / "work"), env=inputs.env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "train_step 128px" in done.stdout and "eval 128px" in done.stdout  # the printed table
+    assert f"results.json are in {out / 'work'}" in done.stderr  # named only when kept (else removed)
     programs = {p["name"]: p for p in json.loads((out / "report.json").read_text())["programs"]}
     for name, program in programs.items():  # what libtpu compiled (--keep): the per-chip program
         text = (out / "work" / "compiled" / (re.sub(r"[^\w.\-]+", "_", name) + ".hlo.txt")).read_text()

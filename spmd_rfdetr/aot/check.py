@@ -75,14 +75,17 @@ def aot_check(cfg: RunConfig, topology: str, json_path: str | None = None, max_b
             os.environ.pop(TRACED_FOR_ENV)
         else:
             os.environ[TRACED_FOR_ENV] = previous
-    work = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="spmd_rfdetr_aot_"))
-    work.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"topology": canonical, "devices": devices,
-                              "programs": _run(cfg, canonical, work, hbm_only=hbm_only)}
-    if hbm_only:
-        report["hbm_only"] = hbm_only_label(chip)
-    if max_batch:
-        report["max_batch"] = search_max_batch(cfg, canonical, work, headroom)
+    with tempfile.TemporaryDirectory(prefix="spmd_rfdetr_aot_") as scratch:  # ~50 MB of HLO a run, unless kept
+        work = Path(keep or scratch)
+        work.mkdir(parents=True, exist_ok=True)
+        report: dict[str, Any] = {"topology": canonical, "devices": devices,
+                                  "programs": _run(cfg, canonical, work, hbm_only=hbm_only)}
+        if hbm_only:
+            report["hbm_only"] = hbm_only_label(chip)
+        if max_batch:
+            report["max_batch"] = search_max_batch(cfg, canonical, work, headroom)
+    if keep:
+        print(f"aot: the HLO, what libtpu compiled and its results.json are in {work}", file=sys.stderr, flush=True)
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))
     failed = [r for r in report["programs"] if not r["compiled"]]
@@ -141,7 +144,7 @@ def _child(command: list[str], env: dict[str, str], what: str, ok: tuple[int, ..
                 " ~12 GB of RAM to compile)" if killed else ""
         raise AotFailed(f"{what} failed (exit {child.returncode}){cause}:\n" + "\n".join(lines[-25:]))
     for line in lines:
-        if line.startswith(("compiling ", "INFO spmd_rfdetr", "results:")):
+        if line.startswith(("compiling ", "INFO spmd_rfdetr")):  # not its "results:" path: aot_check says it
             print(line, file=sys.stderr, flush=True)
 
 

@@ -4,7 +4,8 @@ For each RF-DETR variant and a ``(data, fsdp)`` mesh, without a device or XLA: t
 device (shapes only; patch-14 variants skip the DINOv2 hub weights they would otherwise download) and
 :func:`spmd_rfdetr.xla.parallelize.sharding_specs` gives each parameter's spec, as ``fit`` would apply it. Counted as
 ``fit`` holds them: fp32 weights (``trainer.precision=bf16`` is autocast, the weights stay fp32), a gradient per
-trainable parameter sharded like it (GSPMD), AdamW's ``exp_avg``/``exp_avg_sq`` sharded like it plus a replicated
+trainable parameter sharded like it (GSPMD; live within the step only, its peak: the step drops them after the
+update), AdamW's ``exp_avg``/``exp_avg_sq`` sharded like it plus a replicated
 fp32 step count, and an EMA copy of every parameter and floating buffer. Activations are not included (they scale with
 the per-device batch and resolution, not the mesh).
 

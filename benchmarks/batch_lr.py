@@ -42,12 +42,13 @@ MODEL = ["--config", "configs/cpu.yaml", "--model.resolution", "64", "--model.ba
          "--eval.max_dets", "100", "--trainer.progress_bar", "false", "--trainer.log_every", "8"]
 
 
-def fit_in_process(args: list[str]) -> float:
-    """One ``fit`` in this process (programs compiled by an earlier fit of the same shapes are reused); wall s."""
+def fit_in_process(args: list[str], model: list[str] = MODEL) -> float:
+    """One ``fit`` of ``model`` in this process (programs compiled by an earlier fit of the same shapes are reused);
+    wall s."""
     from spmd_rfdetr.cli import main
 
     started = time.perf_counter()
-    main(["fit", *MODEL, *args])
+    main(["fit", *model, *args])
     return time.perf_counter() - started
 
 
@@ -55,7 +56,8 @@ def last_eval(run: Path) -> dict[str, Any]:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     ev = [r for r in records if "eval/mAP" in r][-1]
     return {"steps": ev["step"], "mAP": ev["eval/mAP"], "mAP50": ev["eval/mAP50"],
-            "raw_mAP": ev.get("eval/raw_mAP"), "raw_mAP50": ev.get("eval/raw_mAP50")}
+            "raw_mAP": ev.get("eval/raw_mAP"), "raw_mAP50": ev.get("eval/raw_mAP50"),
+            **({"segm_mAP": ev["eval/segm_mAP"]} if "eval/segm_mAP" in ev else {})}
 
 
 def finetune_args(data_b: Path, pretrain: Path, run: Path, seed: int, epochs: float, warmup_epochs: float,

@@ -60,8 +60,15 @@ def upstream_eager_stats(checkpoint: Path, split: str, weights: Path | None = No
 
 
 def eager_stats(c: dict[str, Any], model_state: dict[str, Any], split: str) -> list[float]:
-    """COCO stats of ``model_state`` by rfdetr's eager model, PostProcess and CocoEvaluator, built from a ``fit``
+    """COCO box stats of ``model_state`` by rfdetr's eager model, PostProcess and CocoEvaluator, built from a ``fit``
     config ``c`` (a checkpoint's, or a run's ``config.yaml``) on its dataset's ``split``."""
+    return eager_coco_stats(c, model_state, split)["bbox"]
+
+
+def eager_coco_stats(c: dict[str, Any], model_state: dict[str, Any], split: str,
+                     iou_types: tuple[str, ...] = ("bbox",)) -> dict[str, list[float]]:
+    """:func:`eager_stats` for each of ``iou_types`` (``segm``: a seg model's masks, as rfdetr's evaluator scores
+    them), one pass over the split."""
     import torch
     from rfdetr.datasets import get_coco_api_from_dataset
     from rfdetr.evaluation.coco_eval import CocoEvaluator
@@ -80,7 +87,8 @@ def eager_stats(c: dict[str, Any], model_state: dict[str, Any], split: str) -> l
     net.eval()
     postprocess = build_upstream_criterion(cfgs)[1]
     max_dets = c["eval"].get("max_dets", 100)  # the fit's own eval setting (before it existed: pycocotools' 100)
-    evaluator = CocoEvaluator(get_coco_api_from_dataset(dataset), ["bbox"], max_dets=max_dets, log_summary=False)
+    evaluator = CocoEvaluator(get_coco_api_from_dataset(dataset), list(iou_types), max_dets=max_dets,
+                              log_summary=False)
     with torch.no_grad():
         for start in range(0, len(dataset), 8):
             items = [dataset[i] for i in range(start, min(start + 8, len(dataset)))]
@@ -89,7 +97,7 @@ def eager_stats(c: dict[str, Any], model_state: dict[str, Any], split: str) -> l
             evaluator.update({int(target["image_id"]): r for (_, target), r in zip(items, results)})
     evaluator.synchronize_between_processes()
     evaluator.accumulate()
-    return [float(v) for v in evaluator.coco_eval["bbox"].stats]
+    return {t: [float(v) for v in evaluator.coco_eval[t].stats] for t in iou_types}
 
 
 #: Without ``--match-lr`` (upstream's own managed schedule) this differs too.

@@ -19,6 +19,11 @@ rfdetr's LR (1e-4 decoder, 1.5e-4 encoder):
   (``run_upstream_trainer``); its ``last_ema.pth``. Before it trains, its Lightning module's weights are checked
   against the checkpoint (every key, shape and value) and against the model ``fit`` builds (``verify.json``).
 
+``--task seg`` (the mask yardstick, for numerics options on Seg): ``configs/cpu-seg.yaml``'s Seg Nano cut to 6
+DINOv2 blocks at 96 px, pretrained by this script on set A drawn at 96 px (``--pretrain-epochs``, from scratch at
+cpu-seg.yaml's LR), fine-tuned on B as above and scored by COCO **mask** mAP (``segm``; box mAP beside it); our arms
+only (``upstream`` is detection only here). Writes ``finetune-seg-<date>.{json,png}``.
+
 Every arm's final EMA weights are scored the same way: upstream's eager model, PostProcess and CocoEvaluator
 (``convergence.eager_stats``) on B's valid split (256 images, maxDets 100), with the pretraining run's config pointed
 at B. Runs land in ``--out`` (a run with ``score.json`` is reused); before each training run the script waits while
@@ -43,8 +48,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch_lr import MODEL, fit_in_process, finetune_args, last_eval  # noqa: E402
-from convergence import (NOT_MATCHED, _env_without_xla, _train_images, eager_stats, run_upstream_trainer,  # noqa: E402
-                         spread, upstream_train_kwargs)
+from convergence import (NOT_MATCHED, _env_without_xla, _train_images, eager_coco_stats,  # noqa: E402
+                         run_upstream_trainer, spread, upstream_train_kwargs)
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = {"ours": [], "upstream": None, "ours-bf16": ["--trainer.precision", "bf16"],
@@ -52,6 +57,19 @@ ARMS = {"ours": [], "upstream": None, "ours-bf16": ["--trainer.precision", "bf16
         "ours-bf16-streams-fused": ["--trainer.precision", "bf16", "--trainer.bf16_streams", "true",
                                     "--trainer.fused_attention", "true"]}
 RESERVED = Path("/tmp/cores_reserved")
+#: ``--task seg``: ``configs/cpu-seg.yaml``'s Seg Nano cut to 6 DINOv2 blocks at 96 px (its 12 px patches)
+SEG_MODEL = ["--config", "configs/cpu-seg.yaml", "--model.resolution", "96", "--model.backbone_blocks", "6",
+             "--model.num_classes", "6", "--data.max_targets", "4", "--eval.global_batch_size", "32",
+             "--eval.max_dets", "100", "--trainer.progress_bar", "false", "--trainer.log_every", "8"]
+#: task -> the model's fit options, default data / checkpoint / runs, the COCO metric scored ("mAP" in the results)
+TASKS: dict[str, dict[str, Any]] = {
+    "detect": {"model": MODEL, "data": Path("/tmp/batch_lr/data"), "pretrain": Path("/tmp/batch_lr/pretrain/last.pth"),
+               "out": Path("/tmp/finetune"), "metric": "bbox", "image_size": 64},
+    "seg": {"model": SEG_MODEL, "data": Path("/tmp/finetune_seg/data"),
+            "pretrain": Path("/tmp/finetune_seg/pretrain/last.pth"), "out": Path("/tmp/finetune_seg/runs"),
+            "metric": "segm", "image_size": 96}}
+#: the synthetic sets (``batch_lr.py``'s): name -> (seed, classes, train images, valid images), 1-4 shapes each
+SETS = {"A": (11, 3, 512, 64), "B": (22, 6, 256, 256)}
 #: (arm, reference arm) pairs whose mean gap is reported
 GAPS = [("ours", "upstream"), ("ours-bf16", "ours"), ("ours-bf16-streams", "ours-bf16"),
         ("ours-bf16-streams-fused", "ours-bf16-streams")]
@@ -77,10 +95,23 @@ def ours_child(a: argparse.Namespace, arm: str) -> None:
         if not may_start(a):
             return
         wall = fit_in_process([*finetune_args(a.data / "B", a.pretrain, run, seed, a.epochs, a.warmup_epochs,
-                                              base_model=False), *ARMS[arm]])
+                                              base_model=False), *ARMS[arm]], TASKS[a.task]["model"])
         own = last_eval(run)
         (run / "train.json").write_text(json.dumps({"wall_s": round(wall, 1), "steps": own["steps"],
-                                                    "own_eval_mAP": own["mAP"], "own_eval_mAP50": own["mAP50"]}))
+                                                    "own_eval_mAP": own["mAP"], "own_eval_mAP50": own["mAP50"],
+                                                    **({"own_eval_segm_mAP": own["segm_mAP"]}
+                                                       if "segm_mAP" in own else {})}))
+
+
+def pretrain_child(a: argparse.Namespace) -> None:
+    """``--task seg``'s checkpoint: ``fit`` from scratch on set A (``--pretrain-epochs``, ``configs/cpu-seg.yaml``'s
+    LR, seed 0), the head sized for B's 6 classes; writes ``--pretrain`` (its run directory's ``last.pth``)."""
+    run = a.pretrain.parent
+    wall = fit_in_process(["--data.dataset_dir", str(a.data / "A"), "--trainer.output_dir", str(run),
+                           "--trainer.epochs", str(a.pretrain_epochs), "--eval.every_steps", "0",
+                           "--eval.every_epochs", str(a.pretrain_epochs / 2), "--trainer.seed", "0"],
+                          TASKS[a.task]["model"])
+    (run / "result.json").write_text(json.dumps({**last_eval(run), "wall_s": round(wall, 1)}))
 
 
 def upstream_child(a: argparse.Namespace, seed: int) -> None:
@@ -134,19 +165,25 @@ def score_child(a: argparse.Namespace) -> None:
 
     c = torch.load(a.pretrain, map_location="cpu", weights_only=False)["config"]
     c["data"]["dataset_dir"] = str(a.data / "B")  # the pretraining run's model and eval settings, on set B
+    metric = TASKS[a.task]["metric"]
     for run in sorted(a.out.glob("*-seed*")):
         if (run / "score.json").exists() or not (run / "train.json").exists():
             continue
         weights = run / ("last_ema.pth" if run.name.startswith("upstream") else "last.pth")
-        stats = eager_stats(c, torch.load(weights, map_location="cpu", weights_only=False)["model"], "valid")
-        (run / "score.json").write_text(json.dumps({"mAP": stats[0], "mAP50": stats[1], "stats": stats}))
-        print(f"{run.name}: mAP {stats[0]:.4f} mAP50 {stats[1]:.4f}", flush=True)
+        stats = eager_coco_stats(c, torch.load(weights, map_location="cpu", weights_only=False)["model"], "valid",
+                                 tuple(dict.fromkeys(("bbox", metric))))
+        box = stats["bbox"]
+        s = stats[metric]
+        (run / "score.json").write_text(json.dumps({"mAP": s[0], "mAP50": s[1], "stats": s, "metric": metric,
+                                                    "box_mAP": box[0], "box_mAP50": box[1]}))
+        print(f"{run.name}: {metric} mAP {s[0]:.4f} mAP50 {s[1]:.4f} (box mAP {box[0]:.4f})", flush=True)
 
 
 def child_cmd(a: argparse.Namespace, *extra: str) -> list[str]:
-    return ["nice", "-n", "19", sys.executable, __file__, "--out", str(a.out), "--data", str(a.data), "--pretrain",
-            str(a.pretrain), "--epochs", str(a.epochs), "--warmup-epochs", str(a.warmup_epochs), "--seeds",
-            *map(str, a.seeds), *(["--deadline", a.deadline.isoformat()] if a.deadline else []), *extra]
+    return ["nice", "-n", "19", sys.executable, __file__, "--task", a.task, "--out", str(a.out), "--data",
+            str(a.data), "--pretrain", str(a.pretrain), "--epochs", str(a.epochs), "--warmup-epochs",
+            str(a.warmup_epochs), "--pretrain-epochs", str(a.pretrain_epochs), "--seeds", *map(str, a.seeds),
+            *(["--deadline", a.deadline.isoformat()] if a.deadline else []), *extra]
 
 
 def collect(a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -159,6 +196,7 @@ def collect(a: argparse.Namespace) -> list[dict[str, Any]]:
                 t, s = (json.loads((run / f).read_text()) for f in ("train.json", "score.json"))
                 runs.append({"arm": arm, "seed": seed, "mAP": s["mAP"], "mAP50": s["mAP50"], "wall_s": t["wall_s"],
                              "steps": t["steps"], **{k: v for k, v in t.items() if k.startswith("own_eval")},
+                             **{k: v for k, v in s.items() if k.startswith("box_")},
                              **({"note": t["note"]} if "note" in t else {})})  # a note: wall_s not comparable
     here = {r["arm"] for r in runs}
     runs += [{**r, "from": str(a.baseline)} for r in a.earlier
@@ -195,23 +233,30 @@ def report(a: argparse.Namespace, argv: list[str]) -> None:
                   f"(n={g['paired']['n']})")
     verify = [json.loads((a.out / f"upstream-seed{s}" / "train.json").read_text())["verify"]
               for s in a.seeds if (a.out / f"upstream-seed{s}" / "train.json").exists()]
-    path = a.json or ROOT / "benchmarks" / "results" / f"finetune-{datetime.date.today().isoformat()}.json"
+    task = TASKS[a.task]
+    name = "finetune" if a.task == "detect" else f"finetune-{a.task}"
+    path = a.json or ROOT / "benchmarks" / "results" / f"{name}-{datetime.date.today().isoformat()}.json"
+    seed, classes, train, valid = SETS["B"]
     payload = {
         "question": "fine-tuning from one checkpoint: ours (fit, fp32 / bf16) vs upstream rfdetr's own trainer",
-        "command": "python benchmarks/finetune.py " + " ".join(argv),
-        "model": MODEL, "pretrain": str(a.pretrain), "epochs": a.epochs, "warmup_epochs": a.warmup_epochs,
-        "data_B": "synth seed 22, 6 classes, 256 train / 256 valid, 64 px, 1-4 shapes (batch_lr.py)",
+        "command": "python benchmarks/finetune.py " + " ".join(argv), "task": a.task,
+        "metric": f"COCO {task['metric']} mAP (\"mAP\"; box_mAP beside it)",
+        "model": task["model"], "pretrain": str(a.pretrain), "epochs": a.epochs, "warmup_epochs": a.warmup_epochs,
+        "pretrain_run": (json.loads((a.pretrain.parent / "result.json").read_text())
+                         if (a.pretrain.parent / "result.json").exists() else None),
+        "data_B": f"synth seed {seed}, {classes} classes, {train} train / {valid} valid, {task['image_size']} px, "
+                  "1-4 shapes",
         "scored_by": "upstream's eager model + PostProcess + CocoEvaluator, B's valid split, maxDets 100, final EMA",
         "upstream": "RFDETRNano(...).train(...), our LR factor per step (LambdaLR), 6-block DINOv2, last_ema.pth",
         "upstream_start_verified": verify[0] if verify else None, "not_matched": NOT_MATCHED,
         "runs": runs, "summary": summary, "gaps": gaps}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1))
-    plot(path.with_suffix(".png"), runs, arms, summary)
+    plot(path.with_suffix(".png"), runs, arms, summary, task["metric"])
     print(f"wrote {path} and its .png")
 
 
-def plot(path: Path, runs: list[dict[str, Any]], arms: list[str], summary: dict[str, Any]) -> None:
+def plot(path: Path, runs: list[dict[str, Any]], arms: list[str], summary: dict[str, Any], metric: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -225,7 +270,7 @@ def plot(path: Path, runs: list[dict[str, Any]], arms: list[str], summary: dict[
         ax.errorbar([i + 0.15], [s["mean"]], yerr=[s["se"] if s["n"] > 1 else 0], fmt="_", color="k",
                     markersize=14, capsize=4)
     ax.set_xticks(range(len(arms)), [f"{arm}\nn={summary[arm]['mAP']['n']}" for arm in arms])
-    ax.set_ylabel("COCO mAP, B's valid split (256 images)")
+    ax.set_ylabel(f"COCO {metric} mAP, B's valid split (256 images)")
     ax.set_title("fine-tune on synth B from one checkpoint, upstream's evaluator: runs, mean ± SE", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -234,10 +279,16 @@ def plot(path: Path, runs: list[dict[str, Any]], arms: list[str], summary: dict[
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("/tmp/finetune"), help="runs (a scored run is reused)")
-    p.add_argument("--data", type=Path, default=Path("/tmp/batch_lr/data"), help="batch_lr.py's sets A and B")
-    p.add_argument("--pretrain", type=Path, default=Path("/tmp/batch_lr/pretrain/last.pth"),
-                   help="batch_lr.py's pretraining checkpoint (written by it if missing)")
+    p.add_argument("--task", choices=list(TASKS), default="detect",
+                   help="detect (box mAP) or seg (mask mAP, Seg Nano; ours' arms only)")
+    p.add_argument("--out", type=Path, help="runs (a scored run is reused; default /tmp/finetune, seg: "
+                                            "/tmp/finetune_seg/runs)")
+    p.add_argument("--data", type=Path, help="the synthetic sets A and B (default: batch_lr.py's /tmp/batch_lr/data; "
+                                             "seg: /tmp/finetune_seg/data at 96 px; written if missing)")
+    p.add_argument("--pretrain", type=Path, help="the pretraining checkpoint (written if missing; default: "
+                                                 "batch_lr.py's; seg: /tmp/finetune_seg/pretrain/last.pth)")
+    p.add_argument("--pretrain-epochs", type=float, default=8,
+                   help="seg: passes over A's 512 images when pretraining (default 8)")
     p.add_argument("--arms", nargs="+", default=["ours", "upstream"], choices=list(ARMS))
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     p.add_argument("--epochs", type=int, default=4, help="fine-tuning passes over B's train split (default 4)")
@@ -248,18 +299,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", type=Path, help="an earlier result JSON: its runs of arms with none in --out")
     p.add_argument("--_child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    for key in ("out", "data", "pretrain"):
+        setattr(a, key, getattr(a, key) or TASKS[a.task][key])
+    if a.task != "detect" and "upstream" in a.arms and not a._child:
+        p.error("--task seg compares our arms only (upstream's Seg trainer is not wired here)")
     a.earlier = json.loads(a.baseline.read_text())["runs"] if a.baseline else []  # --baseline's runs, read once
     if a._child == "score":
         score_child(a)
+    elif a._child == "pretrain":
+        pretrain_child(a)
     elif a._child == "upstream":
         upstream_child(a, a.seeds[0])
     elif a._child:
         ours_child(a, a._child)
     if a._child:
         return 0
-    if not a.pretrain.exists() or not (a.data / "B").exists():
+    if a.task == "detect" and (not a.pretrain.exists() or not (a.data / "B").exists()):
         subprocess.run([sys.executable, "benchmarks/batch_lr.py", "--out", str(a.pretrain.parents[1]), "--data",
                         str(a.data), "--arms", "b8", "--seeds", "1"], check=True, cwd=ROOT)
+    for name, (seed, classes, train, valid) in SETS.items() if a.task != "detect" else ():
+        if not (a.data / name).exists():
+            subprocess.run([sys.executable, "-m", "spmd_rfdetr", "synth", "--output_dir", str(a.data / name),
+                            "--seed", str(seed), "--num_classes", str(classes), "--train_images", str(train),
+                            "--valid_images", str(valid), "--test_images", "0", "--image_size",
+                            str(TASKS[a.task]["image_size"]), "--max_objects", "4"], check=True, cwd=ROOT)
+    if not a.pretrain.exists():
+        subprocess.run(child_cmd(a, "--_child", "pretrain"), check=True, cwd=ROOT)
     a.out.mkdir(parents=True, exist_ok=True)
     for arm in a.arms:
         if any(r["arm"] == arm for r in a.earlier):  # its runs come from --baseline

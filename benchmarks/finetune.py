@@ -238,7 +238,8 @@ def report(a: argparse.Namespace, argv: list[str]) -> None:
     path = a.json or ROOT / "benchmarks" / "results" / f"{name}-{datetime.date.today().isoformat()}.json"
     seed, classes, train, valid = SETS["B"]
     payload = {
-        "question": "fine-tuning from one checkpoint: ours (fit, fp32 / bf16) vs upstream rfdetr's own trainer",
+        "question": ("fine-tuning from one checkpoint: ours (fit, fp32 / bf16) vs upstream rfdetr's own trainer"
+                     if a.task == "detect" else f"fine-tuning {a.task} from one checkpoint: our numerics options"),
         "command": "python benchmarks/finetune.py " + " ".join(argv), "task": a.task,
         "metric": f"COCO {task['metric']} mAP (\"mAP\"; box_mAP beside it)",
         "model": task["model"], "pretrain": str(a.pretrain), "epochs": a.epochs, "warmup_epochs": a.warmup_epochs,

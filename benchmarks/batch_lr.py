@@ -42,6 +42,30 @@ MODEL = ["--config", "configs/cpu.yaml", "--model.resolution", "64", "--model.ba
          "--eval.max_dets", "100", "--trainer.progress_bar", "false", "--trainer.log_every", "8"]
 
 
+#: the synthetic sets: name -> (seed, classes, train images, valid images), 1-4 shapes each
+SETS = {"A": (11, 3, 512, 64), "B": (22, 6, 256, 256)}
+
+
+def write_sets(data: Path, image_size: int = 64) -> None:
+    """``synth``'s sets A and B (:data:`SETS`) at ``image_size`` px into ``data``, those not there yet."""
+    for name, (seed, classes, train, valid) in SETS.items():
+        if not (data / name).exists():
+            subprocess.run([sys.executable, "-m", "spmd_rfdetr", "synth", "--output_dir", str(data / name),
+                            "--seed", str(seed), "--num_classes", str(classes), "--train_images", str(train),
+                            "--valid_images", str(valid), "--test_images", "0", "--image_size", str(image_size),
+                            "--max_objects", "4"], check=True, cwd=ROOT)
+
+
+def pretrain(data_a: Path, run: Path, epochs: float, model: list[str] = MODEL, evaluations: int = 1) -> None:
+    """The checkpoint the fine-tunes start from: ``model`` from scratch on set A for ``epochs`` (seed 0, the head
+    sized for B's classes, ``evaluations`` evenly spaced, the last at the end) into ``run``; writes
+    ``run/result.json``."""
+    wall = fit_in_process(["--data.dataset_dir", str(data_a), "--trainer.output_dir", str(run),
+                           "--trainer.epochs", str(epochs), "--eval.every_steps", "0",
+                           "--eval.every_epochs", str(epochs / evaluations), "--trainer.seed", "0"], model)
+    (run / "result.json").write_text(json.dumps({**last_eval(run), "wall_s": wall}))
+
+
 def fit_in_process(args: list[str], model: list[str] = MODEL) -> float:
     """One ``fit`` of ``model`` in this process (programs compiled by an earlier fit of the same shapes are reused);
     wall s."""
@@ -77,11 +101,7 @@ def child(a: argparse.Namespace) -> None:
     """Runs the pretraining (arm ``pretrain``) or one arm's seeds, in this process; each run writes result.json."""
     out = a.out
     if a._arm == "pretrain":
-        run = out / "pretrain"
-        wall = fit_in_process(["--data.dataset_dir", str(a.data / "A"), "--trainer.output_dir", str(run),
-                               "--trainer.epochs", str(a.pretrain_epochs), "--eval.every_steps", "0",
-                               "--eval.every_epochs", str(a.pretrain_epochs), "--trainer.seed", "0"])
-        (run / "result.json").write_text(json.dumps({**last_eval(run), "wall_s": wall}))
+        pretrain(a.data / "A", out / "pretrain", a.pretrain_epochs)
         return
     batch, mult = ARMS[a._arm]
     for seed in a.seeds:
@@ -141,12 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         child(a)
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
-    for name, seed, classes, train, valid in (("A", 11, 3, 512, 64), ("B", 22, 6, 256, 256)):
-        if not (a.data / name).exists():
-            subprocess.run([sys.executable, "-m", "spmd_rfdetr", "synth", "--output_dir", str(a.data / name),
-                            "--seed", str(seed), "--num_classes", str(classes), "--train_images", str(train),
-                            "--valid_images", str(valid), "--test_images", "0", "--image_size", "64",
-                            "--max_objects", "4"], check=True, cwd=ROOT)
+    write_sets(a.data)
     common = ["--out", str(a.out), "--data", str(a.data), "--seeds", *map(str, a.seeds), "--epochs", str(a.epochs),
               "--warmup-epochs", str(a.warmup_epochs), "--pretrain-epochs", str(a.pretrain_epochs)]
     for arm in ["pretrain", *a.arms]:

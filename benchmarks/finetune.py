@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batch_lr import MODEL, fit_in_process, finetune_args, last_eval  # noqa: E402
+from batch_lr import MODEL, SETS, fit_in_process, finetune_args, last_eval, pretrain, write_sets  # noqa: E402
 from convergence import (NOT_MATCHED, _env_without_xla, _train_images, eager_coco_stats,  # noqa: E402
                          run_upstream_trainer, spread, upstream_train_kwargs)
 
@@ -68,8 +68,6 @@ TASKS: dict[str, dict[str, Any]] = {
     "seg": {"model": SEG_MODEL, "data": Path("/tmp/finetune_seg/data"),
             "pretrain": Path("/tmp/finetune_seg/pretrain/last.pth"), "out": Path("/tmp/finetune_seg/runs"),
             "metric": "segm", "image_size": 96}}
-#: the synthetic sets (``batch_lr.py``'s): name -> (seed, classes, train images, valid images), 1-4 shapes each
-SETS = {"A": (11, 3, 512, 64), "B": (22, 6, 256, 256)}
 #: (arm, reference arm) pairs whose mean gap is reported
 GAPS = [("ours", "upstream"), ("ours-bf16", "ours"), ("ours-bf16-streams", "ours-bf16"),
         ("ours-bf16-streams-fused", "ours-bf16-streams")]
@@ -101,17 +99,6 @@ def ours_child(a: argparse.Namespace, arm: str) -> None:
                                                     "own_eval_mAP": own["mAP"], "own_eval_mAP50": own["mAP50"],
                                                     **({"own_eval_segm_mAP": own["segm_mAP"]}
                                                        if "segm_mAP" in own else {})}))
-
-
-def pretrain_child(a: argparse.Namespace) -> None:
-    """``--task seg``'s checkpoint: ``fit`` from scratch on set A (``--pretrain-epochs``, ``configs/cpu-seg.yaml``'s
-    LR, seed 0), the head sized for B's 6 classes; writes ``--pretrain`` (its run directory's ``last.pth``)."""
-    run = a.pretrain.parent
-    wall = fit_in_process(["--data.dataset_dir", str(a.data / "A"), "--trainer.output_dir", str(run),
-                           "--trainer.epochs", str(a.pretrain_epochs), "--eval.every_steps", "0",
-                           "--eval.every_epochs", str(a.pretrain_epochs / 2), "--trainer.seed", "0"],
-                          TASKS[a.task]["model"])
-    (run / "result.json").write_text(json.dumps({**last_eval(run), "wall_s": round(wall, 1)}))
 
 
 def upstream_child(a: argparse.Namespace, seed: int) -> None:
@@ -307,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     a.earlier = json.loads(a.baseline.read_text())["runs"] if a.baseline else []  # --baseline's runs, read once
     if a._child == "score":
         score_child(a)
-    elif a._child == "pretrain":
-        pretrain_child(a)
+    elif a._child == "pretrain":  # --task seg's checkpoint, --pretrain's directory (cpu-seg.yaml's LR)
+        pretrain(a.data / "A", a.pretrain.parent, a.pretrain_epochs, TASKS[a.task]["model"], evaluations=2)
     elif a._child == "upstream":
         upstream_child(a, a.seeds[0])
     elif a._child:
@@ -318,12 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.task == "detect" and (not a.pretrain.exists() or not (a.data / "B").exists()):
         subprocess.run([sys.executable, "benchmarks/batch_lr.py", "--out", str(a.pretrain.parents[1]), "--data",
                         str(a.data), "--arms", "b8", "--seeds", "1"], check=True, cwd=ROOT)
-    for name, (seed, classes, train, valid) in SETS.items() if a.task != "detect" else ():
-        if not (a.data / name).exists():
-            subprocess.run([sys.executable, "-m", "spmd_rfdetr", "synth", "--output_dir", str(a.data / name),
-                            "--seed", str(seed), "--num_classes", str(classes), "--train_images", str(train),
-                            "--valid_images", str(valid), "--test_images", "0", "--image_size",
-                            str(TASKS[a.task]["image_size"]), "--max_objects", "4"], check=True, cwd=ROOT)
+    if a.task != "detect":
+        write_sets(a.data, TASKS[a.task]["image_size"])
     if not a.pretrain.exists():
         subprocess.run(child_cmd(a, "--_child", "pretrain"), check=True, cwd=ROOT)
     a.out.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ printed; found before anything is compiled for the CPU or run); 1 another compil
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
@@ -75,8 +76,9 @@ def aot_check(cfg: RunConfig, topology: str, json_path: str | None = None, max_b
             os.environ.pop(TRACED_FOR_ENV)
         else:
             os.environ[TRACED_FOR_ENV] = previous
-    with tempfile.TemporaryDirectory(prefix="spmd_rfdetr_aot_") as scratch:  # ~50 MB of HLO a run, unless kept
-        work = Path(keep or scratch)
+    # ~50 MB of HLO a run: removed after, unless kept
+    with contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory(prefix="spmd_rfdetr_aot_") as where:
+        work = Path(where)
         work.mkdir(parents=True, exist_ok=True)
         report: dict[str, Any] = {"topology": canonical, "devices": devices,
                                   "programs": _run(cfg, canonical, work, hbm_only=hbm_only)}

@@ -54,6 +54,13 @@ CASES = {
     "fused_attention_openxla": (edited(trainer={"fused_attention": True, "compile_backend": "openxla"}), None,
                                 "trainer.fused_attention=true runs in the lazily traced step only: set "
                                 "trainer.compile_backend=torch_xla"),
+    "keypoint_groups_variant": (edited(trainer={"keypoint_groups": 1}), None,
+                                "trainer.keypoint_groups=1 limits the keypoint model's keypoint stream; "
+                                "model.variant=nano has none: drop it"),
+    "keypoint_groups_range": (edited(model={"variant": "keypoint-preview", "pretrain_weights": None},
+                                     trainer={"keypoint_groups": 14}), None,
+                              "trainer.keypoint_groups=14 must be between 1 and the 13 query groups "
+                              "(model.group_detr)"),
     "mesh_divides": (edited(mesh={"data": 3}), 4, "mesh.data=3 must divide the 4 devices (or be -1 for all)"),
     "batch_axis": (edited(data={"global_batch_size": 6}), 4,
                    "data.global_batch_size=6 does not divide by the data axis (4 devices): use a multiple of 4, "

@@ -195,6 +195,11 @@ class TrainerOptions:
     DINOv2's embeddings and layer scales) in bf16 instead of float32, as TPU trainers keep activations; weights,
     optimizer and loss stay float32 (:mod:`spmd_rfdetr.model.streams`). Fewer HBM bytes per step; a numerics change
     (``benchmarks/README.md``)."""
+    keypoint_groups: int | None = None
+    """The keypoint model only: train the keypoint stream (GroupPose's keypoint tokens, costs and losses) on the first
+    this many of the ``model.group_detr`` query groups; the others train as plain detection groups. Evaluation (group
+    0) is unchanged. ``None``: every group, as rfdetr (13 by default; the stream is about half the step's FLOPs and
+    most of its HBM bytes). A numerics change (:mod:`spmd_rfdetr.model.keypoint_groups`, ``benchmarks/README.md``)."""
     fused_attention: bool = False
     """Run the training step's attention (the decoder's self-attention, DINOv2's) as Pallas TPU kernels that keep
     their score matrices on chip (:mod:`spmd_rfdetr.xla.fused_attention`): v5e.yaml's step moves 32% fewer HBM bytes
@@ -353,13 +358,14 @@ def is_keypoint(variant: str) -> bool:
 
 
 def variant_defaults(variant: str) -> dict[str, int]:
-    """rfdetr's own defaults of ``variant``'s ``patch_size``, ``num_windows``, ``resolution`` and ``num_queries``
-    (read from its pydantic model config class; nothing is built)."""
+    """rfdetr's own defaults of ``variant``'s ``patch_size``, ``num_windows``, ``resolution``, ``num_queries`` and
+    ``group_detr`` (read from its pydantic model config class; nothing is built)."""
     # lazy: rfdetr imports torch_xla, which starts on import: the CLI reads these options before choosing the device
     import rfdetr.config
 
     fields = getattr(rfdetr.config, VARIANT_CONFIGS[variant]).model_fields
-    return {name: fields[name].default for name in ("patch_size", "num_windows", "resolution", "num_queries")}
+    return {name: fields[name].default for name in ("patch_size", "num_windows", "resolution", "num_queries",
+                                                             "group_detr")}
 
 
 #: ``model.pretrain_weights`` default: the variant's published weights (:func:`published_weights`).

@@ -120,6 +120,7 @@ def resolve_and_check(cfg: RunConfig, device_count: int | None = None) -> None:
         problems.append(f"trainer.bf16_streams=true rounds activations to bf16 under bf16 autocast; with "
                         f"trainer.precision={t.precision} it would do nothing: set trainer.precision=bf16 or drop it")
     problems += fused_attention_problems(t)
+    problems += _keypoint_groups_problems(cfg)
     if device_count is not None and t.precision == "bf16" and xla_backend() == "CPU":
         _warn_once(
             "trainer.precision=bf16 on the XLA CPU backend: the CPU has no fast bf16 matmuls (slower than fp32 here) "
@@ -297,6 +298,25 @@ def _scale_problems(cfg: RunConfig) -> list[str]:
     if wrong or not d.scales:
         return [f"data.scales={d.scales}: use some of rfdetr's scales for this model, {allowed}"]
     return []
+
+
+def _keypoint_groups_problems(cfg: RunConfig) -> list[str]:
+    """``trainer.keypoint_groups``: the keypoint model, 1..group_detr groups, the device matcher (our criterion)."""
+    groups = cfg.trainer.keypoint_groups
+    if groups is None:
+        return []
+    if not is_keypoint(cfg.model.variant):
+        return [f"trainer.keypoint_groups={groups} limits the keypoint model's keypoint stream; "
+                f"model.variant={cfg.model.variant} has none: drop it"]
+    total = cfg.model.group_detr or variant_defaults(cfg.model.variant)["group_detr"]
+    problems = []
+    if not 1 <= groups <= total:
+        problems.append(f"trainer.keypoint_groups={groups} must be between 1 and the {total} query groups "
+                        "(model.group_detr)")
+    if cfg.trainer.matcher != "device":
+        problems.append(f"trainer.keypoint_groups needs trainer.matcher=device (our criterion masks the other "
+                        f"groups' keypoint costs; rfdetr's, which trainer.matcher={cfg.trainer.matcher} runs, cannot)")
+    return problems
 
 
 def _head_problems(cfg: RunConfig) -> list[str]:

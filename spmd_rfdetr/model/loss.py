@@ -126,9 +126,10 @@ class StaticShapeMatcher(HungarianMatcher):
         padded = torch.full((), _PADDED_TARGET_COST, dtype=cost.dtype, device=cost.device)  # not an f64 scalar input
         return torch.where(valid[:, :, None], cost, padded).transpose(1, 2)
 
-    def keypoint_costs(self, pred_keypoints: list[Tensor], targets: dict[str, Tensor]) -> Tensor:
+    def keypoint_costs(self, pred_keypoints: list[Tensor], targets: dict[str, Tensor], queries: int) -> Tensor:
         """rfdetr's weighted keypoint costs of ``L`` layers (its matcher weighs them by the keypoint loss
-        coefficients): ``[B, L*Q, T]``."""
+        coefficients): ``[B, L*Q, T]``; a layer with keypoints for its first queries only (``trainer.keypoint_groups``)
+        costs 0 for the others."""
         areas = targets["boxes"][..., 2] * targets["boxes"][..., 3]
         coefs = (self.keypoint_l1_loss_coef, self.keypoint_findable_loss_coef, self.keypoint_visible_loss_coef,
                  self.keypoint_nll_loss_coef)
@@ -136,7 +137,8 @@ class StaticShapeMatcher(HungarianMatcher):
         for layer in pred_keypoints:
             terms = keypoint_match_costs(layer, targets["keypoints"], targets["labels"], areas,
                                          self.num_keypoints_per_class)
-            costs.append(sum(coef * term for coef, term in zip(coefs, terms)))
+            cost = sum(coef * term for coef, term in zip(coefs, terms))
+            costs.append(F.pad(cost, (0, 0, 0, queries - cost.shape[1])))
         return torch.stack(costs, dim=1).flatten(1, 2)
 
     def mask_costs(self, pred_masks: list[dict[str, Tensor]], targets: dict[str, Tensor]) -> Tensor:
@@ -163,7 +165,7 @@ class StaticShapeMatcher(HungarianMatcher):
             raise ValueError(f"max_targets={slots} exceeds the {per_group} queries per group; lower data.max_targets")
         extra = self.mask_costs(pred_masks, targets) if pred_masks is not None else None
         if pred_keypoints is not None:
-            extra = self.keypoint_costs(pred_keypoints, targets)
+            extra = self.keypoint_costs(pred_keypoints, targets, queries)
         cost = self.cost(logits.flatten(1, 2), boxes.flatten(1, 2), targets, extra)  # [B, L*Q, T]
         if pred_keypoints is not None:  # a non-finite keypoint logit makes its query's row non-finite
             cost = _finite_costs(cost)
@@ -265,8 +267,11 @@ class StaticSetCriterion(torch.nn.Module):
     ``loss_giou``, ``cardinality_error`` per layer with its suffix, ``class_error`` for the final layer).
     """
 
-    def __init__(self, upstream: SetCriterion, solver: Solver = "device") -> None:
+    def __init__(self, upstream: SetCriterion, solver: Solver = "device", keypoint_groups: int | None = None) -> None:
         super().__init__()
+        #: ``trainer.keypoint_groups``: in training, keypoint costs and losses of the decoder layers for the first this
+        #: many query groups only (:mod:`spmd_rfdetr.model.keypoint_groups`); ``None``: all, as rfdetr
+        self.keypoint_groups = keypoint_groups
         m = upstream.matcher
         self.matcher = StaticShapeMatcher(
             cost_class=m.cost_class, cost_bbox=m.cost_bbox, cost_giou=m.cost_giou, focal_alpha=m.focal_alpha,
@@ -307,7 +312,9 @@ class StaticSetCriterion(torch.nn.Module):
             logits = torch.stack([layers[k]["pred_logits"] for k in index], dim=1)
             boxes = torch.stack([layers[k]["pred_boxes"] for k in index], dim=1)
             pred_masks = [layers[k]["pred_masks"] for k in index] if self.masks else None
-            pred_keypoints = [layers[k]["pred_keypoints"].detach() for k in index] if self.keypoints else None
+            kept = [self._keypoint_queries(shape[1], suffixes[k]) for k in index]
+            pred_keypoints = ([layers[k]["pred_keypoints"][:, :n].detach() for k, n in zip(index, kept)]
+                              if self.keypoints else None)
             query = self.matcher.assign(logits.detach(), boxes.detach(), batch, _groups(self.upstream), pred_masks,
                                         pred_keypoints)
             terms = detection_losses(logits, boxes, query, batch, num_boxes, self.upstream.focal_alpha)
@@ -320,9 +327,21 @@ class StaticSetCriterion(torch.nn.Module):
                                           self.upstream.mask_point_sample_ratio)
                     losses.update({name + suffixes[k]: value for name, value in terms_k.items()})
                 if self.keypoints:
-                    losses.update(matched_keypoint_losses(layers[k]["pred_keypoints"], query[:, j], batch, num_boxes,
-                                                          self.upstream.num_keypoints_per_class, suffixes[k]))
+                    share = kept[j] / shape[1]  # of the queries, the groups', so of the matched pairs
+                    pairs = round(query.shape[2] * share)
+                    losses.update(matched_keypoint_losses(layers[k]["pred_keypoints"], query[:, j, :pairs], batch,
+                                                          num_boxes * share, self.upstream.num_keypoints_per_class,
+                                                          suffixes[k]))
         return losses
+
+
+    def _keypoint_queries(self, queries: int, suffix: str) -> int:
+        """How many of a layer's ``queries`` (the first) carry keypoints: all but in training with
+        ``keypoint_groups`` set, where the decoder layers' first ``keypoint_groups`` groups do (not the encoder's)."""
+        groups = _groups(self.upstream)
+        if self.keypoint_groups is None or groups == 1 or suffix == "_enc":
+            return queries
+        return queries // groups * self.keypoint_groups
 
 
 def detection_losses(logits: Tensor, boxes: Tensor, query: Tensor, batch: dict[str, Tensor], num_boxes: Tensor,
@@ -389,9 +408,11 @@ def _negative_term(scores: Tensor, prob: Tensor) -> Tensor:
     return negative * scores - F.logsigmoid(scores) * negative
 
 
-def build_criterion(upstream: SetCriterion, solver: Solver = "device") -> StaticSetCriterion:
-    """rfdetr's criterion (same losses, weights, group DETR) for static batches, with :class:`StaticShapeMatcher`."""
-    return StaticSetCriterion(upstream, solver)
+def build_criterion(upstream: SetCriterion, solver: Solver = "device",
+                    keypoint_groups: int | None = None) -> StaticSetCriterion:
+    """rfdetr's criterion (same losses, weights, group DETR) for static batches, with :class:`StaticShapeMatcher`
+    (``keypoint_groups``: :attr:`StaticSetCriterion.keypoint_groups`)."""
+    return StaticSetCriterion(upstream, solver, keypoint_groups)
 
 
 def total_loss(loss_dict: dict[str, Tensor], weight_dict: dict[str, float]) -> Tensor:

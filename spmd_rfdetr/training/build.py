@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from spmd_rfdetr.config.options import MeshOptions, ModelOptions, OptimOptions, TrainerOptions
+from spmd_rfdetr.model.keypoint_groups import train_keypoints_on_groups
 from spmd_rfdetr.model.loss import build_criterion
 from spmd_rfdetr.model.streams import round_streams_to_bf16
 from spmd_rfdetr.model.upstream import UpstreamConfigs, build_model, build_upstream_criterion
@@ -63,7 +64,10 @@ def build_trainer(
         round_streams_to_bf16(net)  # before the EMA copies the model: its evaluations round as training does
     if trainer.fused_attention:
         use_fused_attention(net)
-    criterion = build_criterion(build_upstream_criterion(cfgs)[0], solver=trainer.matcher).train()
+    if trainer.keypoint_groups is not None:
+        train_keypoints_on_groups(net, trainer.keypoint_groups)
+    criterion = build_criterion(build_upstream_criterion(cfgs)[0], solver=trainer.matcher,
+                                keypoint_groups=trainer.keypoint_groups).train()
     optimizer = build_optimizer(net, cfgs, on_device=True)
     net, optimizer = fabric.setup(net, optimizer)
     parallelize(unwrap(net), fabric.strategy.mesh, mesh, optimizer)  # fsdp > 1: shard params + AdamW state

@@ -46,14 +46,17 @@ MODEL = ["--config", "configs/cpu.yaml", "--model.resolution", "64", "--model.ba
 SETS = {"A": (11, 3, 512, 64), "B": (22, 6, 256, 256)}
 
 
-def write_sets(data: Path, image_size: int = 64) -> None:
-    """``synth``'s sets A and B (:data:`SETS`) at ``image_size`` px into ``data``, those not there yet."""
-    for name, (seed, classes, train, valid) in SETS.items():
+def write_sets(data: Path, image_size: int = 64, keypoints: bool = False,
+               sets: dict[str, tuple[int, int, int, int]] = SETS) -> None:
+    """``synth``'s ``sets`` (default :data:`SETS`, A and B) at ``image_size`` px into ``data``, those not there yet
+    (``keypoints``: with synth's 5 keypoints per shape)."""
+    for name, (seed, classes, train, valid) in sets.items():
         if not (data / name).exists():
             subprocess.run([sys.executable, "-m", "spmd_rfdetr", "synth", "--output_dir", str(data / name),
                             "--seed", str(seed), "--num_classes", str(classes), "--train_images", str(train),
                             "--valid_images", str(valid), "--test_images", "0", "--image_size", str(image_size),
-                            "--max_objects", "4"], check=True, cwd=ROOT)
+                            "--max_objects", "4", *(["--keypoints", "true"] if keypoints else [])], check=True,
+                           cwd=ROOT)
 
 
 def pretrain(data_a: Path, run: Path, epochs: float, model: list[str] = MODEL, evaluations: int = 1) -> None:
@@ -81,7 +84,7 @@ def last_eval(run: Path) -> dict[str, Any]:
     ev = [r for r in records if "eval/mAP" in r][-1]
     return {"steps": ev["step"], "mAP": ev["eval/mAP"], "mAP50": ev["eval/mAP50"],
             "raw_mAP": ev.get("eval/raw_mAP"), "raw_mAP50": ev.get("eval/raw_mAP50"),
-            **({"segm_mAP": ev["eval/segm_mAP"]} if "eval/segm_mAP" in ev else {})}
+            **{f"{kind}_mAP": ev[f"eval/{kind}_mAP"] for kind in ("segm", "kp") if f"eval/{kind}_mAP" in ev}}
 
 
 def finetune_args(data_b: Path, pretrain: Path, run: Path, seed: int, epochs: float, warmup_epochs: float,

@@ -13,6 +13,8 @@ rfdetr's LR (1e-4 decoder, 1.5e-4 encoder):
 - ``ours-bf16-streams``: ``ours-bf16`` with ``--trainer.bf16_streams true`` (the residual streams in bf16);
 - ``ours-bf16-streams-fused``: that with ``--trainer.fused_attention true`` (the attention kernels, here run by Pallas's
   interpreter: the kernels' arithmetic, on the CPU);
+- ``ours-bf16-keypoint-groups`` (``--task keypoints``): ``ours-bf16`` with ``--trainer.keypoint_groups 1`` (the
+  keypoint stream on the first query group only);
 - ``upstream``: rfdetr's own trainer, ``RFDETRNano(...).train(pretrain_weights=<the same checkpoint>, ...)`` (eager,
   CPU, a process without torch_xla), given our recipe and our LR factor per step (``convergence.py``'s
   ``upstream_train_kwargs(match_lr=True)``); its DINOv2 built with 6 blocks by the patch our builder uses
@@ -23,6 +25,13 @@ rfdetr's LR (1e-4 decoder, 1.5e-4 encoder):
 DINOv2 blocks at 96 px, pretrained by this script on set A drawn at 96 px (``--pretrain-epochs``, from scratch at
 cpu-seg.yaml's LR), fine-tuned on B as above and scored by COCO **mask** mAP (``segm``; box mAP beside it); our arms
 only (``upstream`` is detection only here). Writes ``finetune-seg-<date>.{json,png}``.
+
+``--task keypoints`` (the OKS yardstick, for numerics options on the keypoint model): ``configs/cpu-keypoints.yaml``'s
+RF-DETR keypoint model (GroupPose, 30 queries in 2 groups, 2 decoder layers; rfdetr's 13 groups took ~17 GB and
+~20 s a step here) with 6 DINOv2 blocks at 96 px, pretrained by this script on set A drawn with synth's 5 keypoints per shape, fine-tuned on B3 (seed 22, A's 3
+classes: the keypoint schema, one token per class keypoint, fixes the weights' shapes, and users fine-tune the published
+keypoint weights on the same skeleton) and scored by COCO **keypoint** (OKS) mAP, maxDets 20 as rfdetr scores it.
+Writes ``finetune-keypoints-<date>.{json,png}``.
 
 Every arm's final EMA weights are scored the same way: upstream's eager model, PostProcess and CocoEvaluator
 (``convergence.eager_stats``) on B's valid split (256 images, maxDets 100), with the pretraining run's config pointed
@@ -55,22 +64,33 @@ ROOT = Path(__file__).resolve().parents[1]
 ARMS = {"ours": [], "upstream": None, "ours-bf16": ["--trainer.precision", "bf16"],
         "ours-bf16-streams": ["--trainer.precision", "bf16", "--trainer.bf16_streams", "true"],
         "ours-bf16-streams-fused": ["--trainer.precision", "bf16", "--trainer.bf16_streams", "true",
-                                    "--trainer.fused_attention", "true"]}
+                                    "--trainer.fused_attention", "true"],
+        "ours-bf16-keypoint-groups": ["--trainer.precision", "bf16", "--trainer.keypoint_groups", "1"]}
 RESERVED = Path("/tmp/cores_reserved")
 #: ``--task seg``: ``configs/cpu-seg.yaml``'s Seg Nano cut to 6 DINOv2 blocks at 96 px (its 12 px patches)
 SEG_MODEL = ["--config", "configs/cpu-seg.yaml", "--model.resolution", "96", "--model.backbone_blocks", "6",
              "--model.num_classes", "6", "--data.max_targets", "4", "--eval.global_batch_size", "32",
              "--eval.max_dets", "100", "--trainer.progress_bar", "false", "--trainer.log_every", "8"]
+#: ``--task keypoints``: ``configs/cpu-keypoints.yaml``'s keypoint model (2 query groups) with 6 DINOv2 blocks at 96 px;
+#: the classes come from the data (A's and B3's: 3 shapes, 5 keypoints each)
+KEYPOINT_MODEL = ["--config", "configs/cpu-keypoints.yaml", "--model.resolution", "96", "--model.backbone_blocks", "6",
+                  "--data.max_targets", "4", "--eval.global_batch_size", "32",
+                  "--eval.max_dets", "100", "--trainer.progress_bar", "false", "--trainer.log_every", "8"]
+#: ``--task keypoints``' sets: A as the other tasks', B3 a new draw of A's classes (see the module docstring)
+KEYPOINT_SETS = {"A": SETS["A"], "B": (22, 3, 256, 256)}
 #: task -> the model's fit options, default data / checkpoint / runs, the COCO metric scored ("mAP" in the results)
 TASKS: dict[str, dict[str, Any]] = {
     "detect": {"model": MODEL, "data": Path("/tmp/batch_lr/data"), "pretrain": Path("/tmp/batch_lr/pretrain/last.pth"),
                "out": Path("/tmp/finetune"), "metric": "bbox", "image_size": 64},
     "seg": {"model": SEG_MODEL, "data": Path("/tmp/finetune_seg/data"),
             "pretrain": Path("/tmp/finetune_seg/pretrain/last.pth"), "out": Path("/tmp/finetune_seg/runs"),
-            "metric": "segm", "image_size": 96}}
+            "metric": "segm", "image_size": 96},
+    "keypoints": {"model": KEYPOINT_MODEL, "data": Path("/tmp/finetune_kp/data"),
+                  "pretrain": Path("/tmp/finetune_kp/pretrain/last.pth"), "out": Path("/tmp/finetune_kp/runs"),
+                  "metric": "keypoints", "image_size": 96, "sets": KEYPOINT_SETS}}
 #: (arm, reference arm) pairs whose mean gap is reported
 GAPS = [("ours", "upstream"), ("ours-bf16", "ours"), ("ours-bf16-streams", "ours-bf16"),
-        ("ours-bf16-streams-fused", "ours-bf16-streams")]
+        ("ours-bf16-streams-fused", "ours-bf16-streams"), ("ours-bf16-keypoint-groups", "ours-bf16")]
 
 
 def may_start(a: argparse.Namespace) -> bool:
@@ -97,8 +117,8 @@ def ours_child(a: argparse.Namespace, arm: str) -> None:
         own = last_eval(run)
         (run / "train.json").write_text(json.dumps({"wall_s": round(wall, 1), "steps": own["steps"],
                                                     "own_eval_mAP": own["mAP"], "own_eval_mAP50": own["mAP50"],
-                                                    **({"own_eval_segm_mAP": own["segm_mAP"]}
-                                                       if "segm_mAP" in own else {})}))
+                                                    **{f"own_eval_{k}": v for k, v in own.items()
+                                                       if k in ("segm_mAP", "kp_mAP")}}))
 
 
 def upstream_child(a: argparse.Namespace, seed: int) -> None:
@@ -223,7 +243,7 @@ def report(a: argparse.Namespace, argv: list[str]) -> None:
     task = TASKS[a.task]
     name = "finetune" if a.task == "detect" else f"finetune-{a.task}"
     path = a.json or ROOT / "benchmarks" / "results" / f"{name}-{datetime.date.today().isoformat()}.json"
-    seed, classes, train, valid = SETS["B"]
+    seed, classes, train, valid = task.get("sets", SETS)["B"]
     payload = {
         "question": ("fine-tuning from one checkpoint: ours (fit, fp32 / bf16) vs upstream rfdetr's own trainer"
                      if a.task == "detect" else f"fine-tuning {a.task} from one checkpoint: our numerics options"),
@@ -268,15 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=list(TASKS), default="detect",
-                   help="detect (box mAP) or seg (mask mAP, Seg Nano; ours' arms only)")
-    p.add_argument("--out", type=Path, help="runs (a scored run is reused; default /tmp/finetune, seg: "
-                                            "/tmp/finetune_seg/runs)")
-    p.add_argument("--data", type=Path, help="the synthetic sets A and B (default: batch_lr.py's /tmp/batch_lr/data; "
-                                             "seg: /tmp/finetune_seg/data at 96 px; written if missing)")
-    p.add_argument("--pretrain", type=Path, help="the pretraining checkpoint (written if missing; default: "
-                                                 "batch_lr.py's; seg: /tmp/finetune_seg/pretrain/last.pth)")
+                   help="detect (box mAP), seg (mask mAP, Seg Nano) or keypoints (OKS mAP); seg and keypoints: "
+                        "ours' arms only")
+    p.add_argument("--out", type=Path, help="runs (a scored run is reused; default: the task's, TASKS)")
+    p.add_argument("--data", type=Path, help="the synthetic sets A and B (written if missing; default: the task's, "
+                                             "detect: batch_lr.py's /tmp/batch_lr/data)")
+    p.add_argument("--pretrain", type=Path, help="the pretraining checkpoint (written if missing; default: the "
+                                                 "task's, detect: batch_lr.py's)")
     p.add_argument("--pretrain-epochs", type=float, default=8,
-                   help="seg: passes over A's 512 images when pretraining (default 8)")
+                   help="seg, keypoints: passes over A's 512 images when pretraining (default 8)")
     p.add_argument("--arms", nargs="+", default=["ours", "upstream"], choices=list(ARMS))
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     p.add_argument("--epochs", type=int, default=4, help="fine-tuning passes over B's train split (default 4)")
@@ -290,11 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("out", "data", "pretrain"):
         setattr(a, key, getattr(a, key) or TASKS[a.task][key])
     if a.task != "detect" and "upstream" in a.arms and not a._child:
-        p.error("--task seg compares our arms only (upstream's Seg trainer is not wired here)")
+        p.error(f"--task {a.task} compares our arms only (upstream's trainer is wired for detection only here)")
     a.earlier = json.loads(a.baseline.read_text())["runs"] if a.baseline else []  # --baseline's runs, read once
     if a._child == "score":
         score_child(a)
-    elif a._child == "pretrain":  # --task seg's checkpoint, --pretrain's directory (cpu-seg.yaml's LR)
+    elif a._child == "pretrain":  # --task seg/keypoints' checkpoint, --pretrain's directory (the config's LR)
         pretrain(a.data / "A", a.pretrain.parent, a.pretrain_epochs, TASKS[a.task]["model"], evaluations=2)
     elif a._child == "upstream":
         upstream_child(a, a.seeds[0])
@@ -306,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, "benchmarks/batch_lr.py", "--out", str(a.pretrain.parents[1]), "--data",
                         str(a.data), "--arms", "b8", "--seeds", "1"], check=True, cwd=ROOT)
     if a.task != "detect":
-        write_sets(a.data, TASKS[a.task]["image_size"])
+        write_sets(a.data, TASKS[a.task]["image_size"], a.task == "keypoints", TASKS[a.task].get("sets", SETS))
     if not a.pretrain.exists():
         subprocess.run(child_cmd(a, "--_child", "pretrain"), check=True, cwd=ROOT)
     a.out.mkdir(parents=True, exist_ok=True)

@@ -138,7 +138,7 @@ class StaticShapeMatcher(HungarianMatcher):
             terms = keypoint_match_costs(layer, targets["keypoints"], targets["labels"], areas,
                                          self.num_keypoints_per_class)
             cost = sum(coef * term for coef, term in zip(coefs, terms))
-            costs.append(F.pad(cost, (0, 0, 0, queries - cost.shape[1])))
+            costs.append(F.pad(cost, (0, 0, 0, queries - cost.shape[1])) if cost.shape[1] < queries else cost)
         return torch.stack(costs, dim=1).flatten(1, 2)
 
     def mask_costs(self, pred_masks: list[dict[str, Tensor]], targets: dict[str, Tensor]) -> Tensor:
@@ -313,7 +313,8 @@ class StaticSetCriterion(torch.nn.Module):
             boxes = torch.stack([layers[k]["pred_boxes"] for k in index], dim=1)
             pred_masks = [layers[k]["pred_masks"] for k in index] if self.masks else None
             kept = [self._keypoint_queries(shape[1], suffixes[k]) for k in index]
-            pred_keypoints = ([layers[k]["pred_keypoints"][:, :n].detach() for k, n in zip(index, kept)]
+            pred_keypoints = ([layers[k]["pred_keypoints"][:, :n].detach() if n < shape[1] else
+                               layers[k]["pred_keypoints"].detach() for k, n in zip(index, kept)]
                               if self.keypoints else None)
             query = self.matcher.assign(logits.detach(), boxes.detach(), batch, _groups(self.upstream), pred_masks,
                                         pred_keypoints)
@@ -327,11 +328,12 @@ class StaticSetCriterion(torch.nn.Module):
                                           self.upstream.mask_point_sample_ratio)
                     losses.update({name + suffixes[k]: value for name, value in terms_k.items()})
                 if self.keypoints:
-                    share = kept[j] / shape[1]  # of the queries, the groups', so of the matched pairs
-                    pairs = round(query.shape[2] * share)
-                    losses.update(matched_keypoint_losses(layers[k]["pred_keypoints"], query[:, j, :pairs], batch,
-                                                          num_boxes * share, self.upstream.num_keypoints_per_class,
-                                                          suffixes[k]))
+                    pairs, norm = query[:, j], num_boxes
+                    if kept[j] < shape[1]:  # the kept groups' share of the queries, so of the pairs and the targets
+                        share = kept[j] / shape[1]
+                        pairs, norm = pairs[:, : round(pairs.shape[1] * share)], num_boxes * share
+                    losses.update(matched_keypoint_losses(layers[k]["pred_keypoints"], pairs, batch, norm,
+                                                          self.upstream.num_keypoints_per_class, suffixes[k]))
         return losses
 
 

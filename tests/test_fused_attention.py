@@ -113,7 +113,8 @@ def test_the_kernels_compile_for_v5e_per_chip_with_no_score_matrix_in_hbm(tmp_pa
 def test_the_attention_modules_take_the_kernels_in_training_with_the_xla_paths_results() -> None:
     """``use_fused_attention`` marks the decoder's and DINOv2's attention modules; with gradients on, their XLA
     forward runs the kernels (interpreted on this CPU mesh) on the packed projections, with the XLA path's output
-    and input, weight and bias gradients (float32); under ``no_grad`` (evaluation) the XLA path runs."""
+    and input, weight and bias gradients (float32); under ``no_grad`` (evaluation), and for a sequence longer than
+    the kernels take, the XLA path runs."""
     from rfdetr.models.backbone import dinov2_with_windowed_attn as dinov2
 
     from spmd_rfdetr.model import xla_safe
@@ -147,6 +148,9 @@ def test_the_attention_modules_take_the_kernels_in_training_with_the_xla_paths_r
         errors = [float((a - b).abs().max() / b.abs().max().clamp(min=1.0)) for a, b in zip(fused, xla)]  # relative
         assert len(fused) == len(xla) > 3 and max(errors) < 1e-5, (name, errors)
         assert fa.__file__ not in run(name, module, grad=False)[1]
+        with pytest.MonkeyPatch.context() as patch:  # a sequence longer than the kernels take: the XLA path
+            patch.setattr(fa, "MAX_LENGTH", x.shape[1] - 1)
+            assert fa.__file__ not in run(name, module)[1], name
 
 
 def test_a_chip_whose_compiler_refuses_the_kernels_is_named_before_anything_runs() -> None:

@@ -71,7 +71,7 @@ from spmd_rfdetr.model.attention import attention
 from spmd_rfdetr.model.deform_attention import dense_core_for_xla, samples_by_products, separable_grid_sample
 from spmd_rfdetr.model.resize import resize_as_matmul
 from spmd_rfdetr.model.row_lookups import row_sampler, with_row_gathers
-from spmd_rfdetr.xla.fused_attention import fused_attention
+from spmd_rfdetr.xla.fused_attention import fused_attention, takes
 
 
 def install() -> None:
@@ -259,7 +259,7 @@ def _install_backbone_attention() -> None:
         if (hidden_states.device.type != "xla" or output_attentions
                 or (self.training and self.attention_probs_dropout_prob > 0)):
             return original(self, hidden_states, output_attentions)
-        if getattr(self, FUSED_ATTENTION, False) and _may_patch():
+        if getattr(self, FUSED_ATTENTION, False) and takes(hidden_states.shape[1]) and _may_patch():
             projected = (p(hidden_states) for p in (self.query, self.key, self.value))
             return fused_attention(*projected, self.num_attention_heads), None
         q, k, v = (self.transpose_for_scores(p(hidden_states)) for p in (self.query, self.key, self.value))
@@ -279,7 +279,8 @@ def _batch_first_attention(self: torch.nn.MultiheadAttention, query: torch.Tenso
     biases = self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None, None, None)
 
     q, k, v = (linear(x, weights[i], biases[i]) for i, x in enumerate((query, key, value)))
-    if mask is None and query.shape == key.shape and getattr(self, FUSED_ATTENTION, False) and _may_patch():
+    if (mask is None and query.shape == key.shape and getattr(self, FUSED_ATTENTION, False) and takes(length)
+            and _may_patch()):
         out = fused_attention(q, k, v, heads)
     else:
         q, k, v = (x.view(batch, x.shape[1], heads, width // heads).transpose(1, 2) for x in (q, k, v))

@@ -6,8 +6,8 @@ with on-chip memory off. Here the forward reads ``q, k, v`` and writes the outpu
 output and its gradient and writes three gradients; every ``[L, L]`` matrix stays in the chip's VMEM. Heads stay
 packed along the lanes (``[N, L, heads x d]``, the projections' own layout), so a head dimension of 32 is not padded to
 128 lanes in HBM (torch_xla's flash attention takes ``[N, heads, L, d]``: 4x the bytes at ``d`` = 32) and no transpose
-runs around the kernel. One grid step holds one sequence whole (RF-DETR's 300 queries, DINOv2's 145 and 580 tokens),
-so no online softmax is needed; the backward recomputes the probabilities and uses FlashAttention's
+runs around the kernel. One grid step holds one sequence whole (RF-DETR's 300 queries, DINOv2's 145 and 580 tokens;
+longer than :data:`MAX_LENGTH` the callers keep the XLA path), so no online softmax is needed; the backward recomputes the probabilities and uses FlashAttention's
 ``dS = P * (dP - rowsum(dO * O))``. Scores, softmax and products accumulate in float32; the probabilities enter the
 second product in the inputs' dtype (bf16), as the MXU reads them.
 
@@ -34,9 +34,19 @@ import torch
 from spmd_rfdetr.config.backend import xla_backend
 from spmd_rfdetr.xla.mesh import on_each_shard
 
+#: The longest sequence the kernels take (one grid step holds a head's ``[L, L]`` float32 scores and the backward's
+#: products in VMEM, v5e's scoped limit 16 MiB): longer ones keep the XLA path. Compiled: 1,029 tokens (v6e.yaml's
+#: DINOv2 global layers, v6e); refused: 2,308 (v5e-keypoints.yaml's, v5e, "Ran out of memory in memory space vmem").
+MAX_LENGTH = 1100
+
 #: Mosaic IR version the pinned libtpu (0.0.21, torch_xla 2.9's) reads; JAX 0.7.1 writes 8 unless it sees an older
 #: TPU runtime, which a process lowering without a TPU cannot.
 MOSAIC_IR_VERSION = 7
+
+
+def takes(length: int) -> bool:
+    """Whether the kernels take a sequence of ``length`` (:data:`MAX_LENGTH`)."""
+    return length <= MAX_LENGTH
 
 
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:

@@ -28,10 +28,10 @@ only (``upstream`` is detection only here). Writes ``finetune-seg-<date>.{json,p
 
 ``--task keypoints`` (the OKS yardstick, for numerics options on the keypoint model): ``configs/cpu-keypoints.yaml``'s
 RF-DETR keypoint model (GroupPose, 30 queries in 2 groups, 2 decoder layers; rfdetr's 13 groups took ~17 GB and
-~20 s a step here) with 6 DINOv2 blocks at 96 px, pretrained by this script on set A drawn with synth's 5 keypoints per shape, fine-tuned on B3 (seed 22, A's 3
-classes: the keypoint schema, one token per class keypoint, fixes the weights' shapes, and users fine-tune the published
-keypoint weights on the same skeleton) and scored by COCO **keypoint** (OKS) mAP, maxDets 20 as rfdetr scores it.
-Writes ``finetune-keypoints-<date>.{json,png}``.
+~20 s a step here) with 6 DINOv2 blocks at 96 px, pretrained by this script (6 epochs) on set A drawn with synth's 5
+keypoints per shape, fine-tuned on B3 (seed 22, A's 3 classes: the keypoint schema, one token per class keypoint,
+fixes the weights' shapes, and users fine-tune the published keypoint weights on the same skeleton) and scored by
+COCO **keypoint** (OKS) mAP, maxDets 20 as rfdetr scores it. Writes ``finetune-keypoints-<date>.{json,png}``.
 
 Every arm's final EMA weights are scored the same way: upstream's eager model, PostProcess and CocoEvaluator
 (``convergence.eager_stats``) on B's valid split (256 images, maxDets 100), with the pretraining run's config pointed
@@ -84,10 +84,10 @@ TASKS: dict[str, dict[str, Any]] = {
                "out": Path("/tmp/finetune"), "metric": "bbox", "image_size": 64},
     "seg": {"model": SEG_MODEL, "data": Path("/tmp/finetune_seg/data"),
             "pretrain": Path("/tmp/finetune_seg/pretrain/last.pth"), "out": Path("/tmp/finetune_seg/runs"),
-            "metric": "segm", "image_size": 96},
+            "metric": "segm", "image_size": 96, "pretrain_epochs": 8},
     "keypoints": {"model": KEYPOINT_MODEL, "data": Path("/tmp/finetune_kp/data"),
                   "pretrain": Path("/tmp/finetune_kp/pretrain/last.pth"), "out": Path("/tmp/finetune_kp/runs"),
-                  "metric": "keypoints", "image_size": 96, "sets": KEYPOINT_SETS}}
+                  "metric": "keypoints", "image_size": 96, "sets": KEYPOINT_SETS, "pretrain_epochs": 6}}
 #: (arm, reference arm) pairs whose mean gap is reported
 GAPS = [("ours", "upstream"), ("ours-bf16", "ours"), ("ours-bf16-streams", "ours-bf16"),
         ("ours-bf16-streams-fused", "ours-bf16-streams"), ("ours-bf16-keypoint-groups", "ours-bf16")]
@@ -189,7 +189,8 @@ def score_child(a: argparse.Namespace) -> None:
 def child_cmd(a: argparse.Namespace, *extra: str) -> list[str]:
     return ["nice", "-n", "19", sys.executable, __file__, "--task", a.task, "--out", str(a.out), "--data",
             str(a.data), "--pretrain", str(a.pretrain), "--epochs", str(a.epochs), "--warmup-epochs",
-            str(a.warmup_epochs), "--pretrain-epochs", str(a.pretrain_epochs), "--seeds", *map(str, a.seeds),
+            str(a.warmup_epochs), *(["--pretrain-epochs", str(a.pretrain_epochs)] if a.pretrain_epochs else []),
+            "--seeds", *map(str, a.seeds),
             *(["--deadline", a.deadline.isoformat()] if a.deadline else []), *extra]
 
 
@@ -295,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                                              "detect: batch_lr.py's /tmp/batch_lr/data)")
     p.add_argument("--pretrain", type=Path, help="the pretraining checkpoint (written if missing; default: the "
                                                  "task's, detect: batch_lr.py's)")
-    p.add_argument("--pretrain-epochs", type=float, default=8,
-                   help="seg, keypoints: passes over A's 512 images when pretraining (default 8)")
+    p.add_argument("--pretrain-epochs", type=float,
+                   help="seg, keypoints: passes over A's 512 images when pretraining (default: seg 8, keypoints 6)")
     p.add_argument("--arms", nargs="+", default=["ours", "upstream"], choices=list(ARMS))
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     p.add_argument("--epochs", type=int, default=4, help="fine-tuning passes over B's train split (default 4)")
@@ -307,8 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", type=Path, help="an earlier result JSON: its runs of arms with none in --out")
     p.add_argument("--_child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    for key in ("out", "data", "pretrain"):
-        setattr(a, key, getattr(a, key) or TASKS[a.task][key])
+    for key in ("out", "data", "pretrain", "pretrain_epochs"):
+        setattr(a, key, getattr(a, key) or TASKS[a.task].get(key))
     if a.task != "detect" and "upstream" in a.arms and not a._child:
         p.error(f"--task {a.task} compares our arms only (upstream's trainer is wired for detection only here)")
     a.earlier = json.loads(a.baseline.read_text())["runs"] if a.baseline else []  # --baseline's runs, read once

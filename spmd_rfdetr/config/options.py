@@ -364,8 +364,8 @@ def variant_defaults(variant: str) -> dict[str, int]:
     import rfdetr.config
 
     fields = getattr(rfdetr.config, VARIANT_CONFIGS[variant]).model_fields
-    return {name: fields[name].default for name in ("patch_size", "num_windows", "resolution", "num_queries",
-                                                             "group_detr")}
+    names = ("patch_size", "num_windows", "resolution", "num_queries", "group_detr")
+    return {name: fields[name].default for name in names}
 
 
 #: ``model.pretrain_weights`` default: the variant's published weights (:func:`published_weights`).

@@ -7,9 +7,9 @@ output and its gradient and writes three gradients; every ``[L, L]`` matrix stay
 packed along the lanes (``[N, L, heads x d]``, the projections' own layout), so a head dimension of 32 is not padded to
 128 lanes in HBM (torch_xla's flash attention takes ``[N, heads, L, d]``: 4x the bytes at ``d`` = 32) and no transpose
 runs around the kernel. One grid step holds one sequence whole (RF-DETR's 300 queries, DINOv2's 145 and 580 tokens;
-longer than :data:`MAX_LENGTH` the callers keep the XLA path), so no online softmax is needed; the backward recomputes the probabilities and uses FlashAttention's
-``dS = P * (dP - rowsum(dO * O))``. Scores, softmax and products accumulate in float32; the probabilities enter the
-second product in the inputs' dtype (bf16), as the MXU reads them.
+longer than :data:`MAX_LENGTH` the callers keep the XLA path), so no online softmax is needed; the backward recomputes
+the probabilities and uses FlashAttention's ``dS = P * (dP - rowsum(dO * O))``. Scores, softmax and products
+accumulate in float32; the probabilities enter the second product in the inputs' dtype (bf16), as the MXU reads them.
 
 The kernels are JAX (Pallas). For a TPU (a chip, or ``aot``'s trace) they are lowered for the TPU explicitly (JAX's
 default backend without a TPU is the CPU, which refuses Mosaic kernels) into the ``tpu_custom_call`` torch_xla puts

@@ -26,6 +26,14 @@ from typing import Any
 import torch
 
 
+def first_groups(x: torch.Tensor, total: int, groups: int | None, dim: int = 1) -> torch.Tensor:
+    """``x``'s rows along ``dim`` that belong to the first ``groups`` of its ``total`` equal, group-major groups of
+    queries (or of matched pairs); ``groups`` ``None``: ``x`` itself."""
+    if groups is None:
+        return x
+    return x.narrow(dim, 0, x.shape[dim] // total * groups)
+
+
 def train_keypoints_on_groups(model: torch.nn.Module, groups: int) -> None:
     """Limit ``model``'s (rfdetr's ``LWDETR`` with GroupPose keypoints) training keypoint stream to its first
     ``groups`` query groups (module docstring). Instance-level wrappers: they follow the module into ``deepcopy``."""
@@ -53,7 +61,7 @@ def _first_groups_hook(total: int, groups: int) -> Any:
         tgt = args[0]
         if not module.training or tgt.shape[1] % total:
             return None
-        return (tgt[:, : tgt.shape[1] // total * groups], *args[1:])
+        return (first_groups(tgt, total, groups), *args[1:])
 
     return hook
 
@@ -81,7 +89,7 @@ def _forward_post_on_groups(groups: int) -> Any:
             return forward(self, tgt, memory, **kwargs)
         kept = keypoint_tgt.shape[1]
         total = self.group_detr
-        if tgt.shape[1] % total or kept != tgt.shape[1] // total * groups:
+        if tgt.shape[1] % total or kept != first_groups(tgt, total, groups).shape[1]:
             raise ValueError(f"keypoint tokens for {kept} of {tgt.shape[1]} queries: expected {groups} of {total} "
                              "groups")
         per_query = {k: kwargs.pop(k) for k in ("query_pos", "reference_points")}

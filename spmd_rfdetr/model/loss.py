@@ -40,6 +40,7 @@ from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
 from spmd_rfdetr.model.inputs import targets_list
+from spmd_rfdetr.model.keypoint_groups import first_groups
 from spmd_rfdetr.model.keypoints import keypoint_match_costs, matched_keypoint_losses
 from spmd_rfdetr.model.masks import mask_cost, mask_losses
 from spmd_rfdetr.model.matching import pick_values, solve_assignment_with_stats
@@ -312,12 +313,10 @@ class StaticSetCriterion(torch.nn.Module):
             logits = torch.stack([layers[k]["pred_logits"] for k in index], dim=1)
             boxes = torch.stack([layers[k]["pred_boxes"] for k in index], dim=1)
             pred_masks = [layers[k]["pred_masks"] for k in index] if self.masks else None
-            kept = [self._keypoint_queries(shape[1], suffixes[k]) for k in index]
-            pred_keypoints = ([layers[k]["pred_keypoints"][:, :n].detach() if n < shape[1] else
-                               layers[k]["pred_keypoints"].detach() for k, n in zip(index, kept)]
-                              if self.keypoints else None)
-            query = self.matcher.assign(logits.detach(), boxes.detach(), batch, _groups(self.upstream), pred_masks,
-                                        pred_keypoints)
+            groups, kept = _groups(self.upstream), [self._keypoint_groups(suffixes[k]) for k in index]
+            pred_keypoints = ([first_groups(layers[k]["pred_keypoints"].detach(), groups, n)
+                               for k, n in zip(index, kept)] if self.keypoints else None)
+            query = self.matcher.assign(logits.detach(), boxes.detach(), batch, groups, pred_masks, pred_keypoints)
             terms = detection_losses(logits, boxes, query, batch, num_boxes, self.upstream.focal_alpha)
             for j, k in enumerate(index):
                 losses.update({name + suffixes[k]: value[j] for name, value in terms.items() if name != "class_error"})
@@ -328,22 +327,18 @@ class StaticSetCriterion(torch.nn.Module):
                                           self.upstream.mask_point_sample_ratio)
                     losses.update({name + suffixes[k]: value for name, value in terms_k.items()})
                 if self.keypoints:
-                    pairs, norm = query[:, j], num_boxes
-                    if kept[j] < shape[1]:  # the kept groups' share of the queries, so of the pairs and the targets
-                        share = kept[j] / shape[1]
-                        pairs, norm = pairs[:, : round(pairs.shape[1] * share)], num_boxes * share
-                    losses.update(matched_keypoint_losses(layers[k]["pred_keypoints"], pairs, batch, norm,
+                    norm = num_boxes if kept[j] is None else num_boxes * (kept[j] / groups)  # the kept groups' targets
+                    losses.update(matched_keypoint_losses(layers[k]["pred_keypoints"],
+                                                          first_groups(query[:, j], groups, kept[j]), batch, norm,
                                                           self.upstream.num_keypoints_per_class, suffixes[k]))
         return losses
 
-
-    def _keypoint_queries(self, queries: int, suffix: str) -> int:
-        """How many of a layer's ``queries`` (the first) carry keypoints: all but in training with
-        ``keypoint_groups`` set, where the decoder layers' first ``keypoint_groups`` groups do (not the encoder's)."""
-        groups = _groups(self.upstream)
-        if self.keypoint_groups is None or groups == 1 or suffix == "_enc":
-            return queries
-        return queries // groups * self.keypoint_groups
+    def _keypoint_groups(self, suffix: str) -> int | None:
+        """The first query groups whose keypoints a layer prices and scores: ``keypoint_groups`` for the decoder
+        layers in training; ``None`` (all) otherwise, and for the encoder's, which keeps every group's keypoints."""
+        if self.keypoint_groups is None or _groups(self.upstream) == 1 or suffix == "_enc":
+            return None
+        return self.keypoint_groups
 
 
 def detection_losses(logits: Tensor, boxes: Tensor, query: Tensor, batch: dict[str, Tensor], num_boxes: Tensor,
